@@ -1,0 +1,181 @@
+"""Calc-v0: word problems whose solution is a chain of 1 to 6 arithmetic steps.
+
+The agent is asked to do every step with the `calculator` tool and to end with `\\boxed{answer}`. The
+number of steps follows a long-tailed distribution, so episode lengths vary as in real agent workloads.
+Reward: 1 for the right final answer, else 0.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import random
+import re
+
+from reflow.env import Message, Observation, StepResult, Task, Tool, ToolEnv, ToolError, format_hermes_call
+from reflow.env.answers import extract_boxed, format_number, numbers_equal, parse_number
+
+SYSTEM_PROMPT = (
+    "You solve arithmetic word problems. Use the calculator tool for every arithmetic step, one call per "
+    "step. When you have the result, reply with the final answer as \\boxed{N}."
+)
+
+# Long tail: most problems take 1-3 steps, a few take 5-6.
+STEP_WEIGHTS = {1: 30, 2: 25, 3: 18, 4: 12, 5: 9, 6: 6}
+
+NAMES = ["Ava", "Ben", "Chen", "Dara", "Eli", "Farah", "Gus", "Hana", "Ivan", "Jade", "Kofi", "Lena"]
+ITEMS = ["marbles", "stamps", "apples", "coins", "shells", "cards", "beads", "books"]
+TEMPLATES = {
+    "+": [
+        "{name} gets {b} more {item}.",
+        "Then {b} more {item} arrive.",
+        "A friend gives {name} {b} {item}.",
+    ],
+    "-": ["{name} gives away {b} {item}.", "Then {b} {item} are lost.", "{name} sells {b} {item}."],
+    "*": ["Then the number of {item} becomes {b} times as large.", "{name} multiplies the {item} by {b}."],
+    "/": ["{name} splits the {item} evenly into {b} groups and keeps one group."],
+}
+
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+_MAX_ABS = 1e15
+
+
+def safe_eval(expression: str) -> float:
+    """Evaluate + - * / // % ** and parentheses on numbers; anything else is a ToolError."""
+    if len(expression) > 200:
+        raise ToolError("expression too long (max 200 characters)")
+    try:
+        tree = ast.parse(expression.replace("^", "**").replace("×", "*").replace("÷", "/"), mode="eval")
+    except SyntaxError:
+        raise ToolError(f"cannot parse expression {expression!r}") from None
+
+    def ev(node: ast.AST) -> float:
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, (int, float))
+            and not isinstance(node.value, bool)
+        ):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+            v = ev(node.operand)
+            return v if isinstance(node.op, ast.UAdd) else -v
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            left, right = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Pow) and (abs(right) > 64 or abs(left) > 1e6):
+                raise ToolError("exponent too large")
+            try:
+                value = _OPS[type(node.op)](left, right)
+            except ZeroDivisionError:
+                raise ToolError("division by zero") from None
+            if isinstance(value, complex) or abs(value) > _MAX_ABS:
+                raise ToolError("result out of range")
+            return value
+        raise ToolError(f"unsupported element in expression: {ast.dump(node)[:40]}")
+
+    return ev(tree)
+
+
+def _apply(op: str, a: float, b: float) -> float:
+    return {"+": a + b, "-": a - b, "*": a * b, "/": a / b}[op]
+
+
+class CalcEnv(ToolEnv):
+    required_task_keys = ("id", "question", "answer")
+
+    def __init__(self, tasks: list[Task] | str | None = None, max_steps: int = 6) -> None:
+        super().__init__(tasks)
+        self.max_steps = max_steps
+        self.tools = [Tool.from_function(self.calculator)]
+
+    def calculator(self, expression: str) -> str:
+        """Evaluate an arithmetic expression and return the result.
+
+        Args:
+            expression: an arithmetic expression with numbers, + - * / and parentheses, e.g. "(3 + 4) * 2".
+        """
+        return format_number(safe_eval(expression))
+
+    def generate_task(self, rng: random.Random) -> Task:
+        weights = {k: w for k, w in STEP_WEIGHTS.items() if k <= self.max_steps}
+        n_steps = rng.choices(list(weights), weights=list(weights.values()))[0]
+        name, item = rng.choice(NAMES), rng.choice(ITEMS)
+        value = rng.randint(2, 60)
+        start = value
+        sentences = [f"{name} has {value} {item}."]
+        steps: list[list] = []
+        for _ in range(n_steps):
+            op = rng.choice(["+", "-", "*", "/"] if value > 1 else ["+", "*"])
+            if op == "+":
+                b = rng.randint(1, 50)
+            elif op == "-":
+                b = rng.randint(1, max(1, value - 1))
+            elif op == "*":
+                b = rng.randint(2, 6) if value < 1000 else 2
+            else:
+                divisors = [d for d in range(2, 10) if value % d == 0]
+                if not divisors:
+                    op, b = "+", rng.randint(1, 50)
+                else:
+                    b = rng.choice(divisors)
+            value = int(_apply(op, value, b))
+            steps.append([op, b])
+            sentences.append(rng.choice(TEMPLATES[op]).format(name=name, item=item, b=b))
+        sentences.append(f"How many {item} does {name} have now?")
+        question = " ".join(sentences)
+        task_id = f"calc-{rng.getrandbits(48):012x}"
+        return {"id": task_id, "question": question, "answer": value, "start": start, "steps": steps}
+
+    async def _reset(self, task: Task) -> Observation:
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": task["question"]},
+        ]
+        return Observation(messages, info={"n_steps": len(task.get("steps", []))})
+
+    async def answer(self, turn) -> StepResult:
+        given = parse_number(extract_boxed(turn.content))
+        correct = numbers_equal(given, float(self.task["answer"]))
+        return StepResult(
+            messages=[],
+            reward=1.0 if correct else 0.0,
+            terminated=True,
+            info={
+                "success": correct,
+                "reward_components": {"correct": float(correct)},
+                "termination": "answered" if given is not None else "no_answer",
+            },
+        )
+
+    def demo(self, task: Task, messages: list[Message], rng: random.Random, error_rate: float = 0.0) -> str:
+        """Do the steps one calculator call at a time; with probability `error_rate` per turn, slip."""
+        done = [m for m in messages if m["role"] == "tool" and not m["content"].startswith("Error")]
+        current = parse_number(done[-1]["content"]) if done else float(task["start"])
+        steps = task["steps"]
+        if len(done) >= len(steps) or current is None:
+            answer = current if current is not None else 0
+            if rng.random() < error_rate:
+                answer += rng.choice([-2, -1, 1, 2, 10])
+            return f"The answer is \\boxed{{{format_number(answer)}}}."
+        op, b = steps[len(done)]
+        if rng.random() < error_rate:
+            slip = rng.choice(["operand", "operator", "malformed", "guess"])
+            if slip == "operand":
+                b = b + rng.choice([-1, 1, 2])
+            elif slip == "operator":
+                op = rng.choice([o for o in "+-*" if o != op])
+            elif slip == "malformed":
+                call = format_hermes_call("calculator", {"expression": f"{format_number(current)} {op} {b}"})
+                return re.sub(r"\}\s*\n</tool_call>", "\n</tool_call>", call, count=1)
+            else:
+                return f"The answer is \\boxed{{{format_number(current + rng.randint(1, 20))}}}."
+        return format_hermes_call("calculator", {"expression": f"{format_number(current)} {op} {b}"})

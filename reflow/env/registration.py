@@ -1,0 +1,149 @@
+"""Registration on top of Gymnasium's registry, and discovery of env packages by entry point.
+
+`register("reflow/Calc-v0", entry_point="pkg.module:EnvClass", ...)` adds a Gymnasium spec whose entry
+point is the Gymnasium facade, with the ReFlow env's own entry point and settings in the spec's kwargs.
+So there is one registry: `gymnasium.make(id)` gives the synchronous facade and `reflow.make(id)` the
+async env with the standard wrappers, both built from the same spec.
+
+Third-party packages declare a function in the `reflow.envs` entry-point group that calls `register`;
+`discover()` loads them all (the built-in envs come in the same way).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import warnings
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any
+
+import gymnasium
+
+from reflow.env.core import Env
+from reflow.env.wrappers import ContainErrors, EpisodeDeadline, OrderEnforcing, TurnLimit
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "reflow.envs"
+FACADE_ENTRY_POINT = "reflow.env.gym_facade:GymFacade"
+_WRAPPER_KEYS = ("max_turns", "deadline_s")
+
+
+@dataclass
+class DiscoveryError:
+    entry_point: str
+    error: str
+
+
+_discovered = False
+discovery_errors: list[DiscoveryError] = []
+
+
+def register(
+    id: str,
+    entry_point: str,
+    *,
+    max_turns: int | None = None,
+    deadline_s: float | None = None,
+    kwargs: dict[str, Any] | None = None,
+    nondeterministic: bool = False,
+) -> None:
+    """Register an env under a Gymnasium-style id ("namespace/Name-vN").
+
+    Args:
+        id: the env id, e.g. "acme/Maze-v0".
+        entry_point: "module.path:ClassOrFactory" returning a `reflow.env.Env`.
+        max_turns: assistant turns before the episode is truncated (None: no limit).
+        deadline_s: wall-clock budget of one episode in seconds, reset included (None: no limit).
+        kwargs: default keyword arguments for the env constructor.
+        nondeterministic: True if a seeded reset/step does not reproduce (tells Gymnasium's checker).
+    """
+    if ":" not in entry_point:
+        raise ValueError(f"entry_point must look like 'module.path:Name', got {entry_point!r}")
+    gymnasium.register(
+        id=id,
+        entry_point=FACADE_ENTRY_POINT,
+        nondeterministic=nondeterministic,
+        kwargs={
+            "env_entry_point": entry_point,
+            "env_kwargs": dict(kwargs or {}),
+            "max_turns": max_turns,
+            "deadline_s": deadline_s,
+        },
+    )
+
+
+def _spec(id: str) -> gymnasium.envs.registration.EnvSpec:
+    discover()
+    spec = gymnasium.registry.get(id)
+    if spec is None or spec.entry_point != FACADE_ENTRY_POINT:
+        known = ", ".join(env_ids()) or "none"
+        raise KeyError(f"no ReFlow env registered as {id!r}; registered: {known}")
+    return spec
+
+
+def env_ids() -> list[str]:
+    """Ids of every registered ReFlow env, sorted."""
+    discover()
+    return sorted(k for k, s in gymnasium.registry.items() if s.entry_point == FACADE_ENTRY_POINT)
+
+
+def spec_kwargs(id: str) -> dict[str, Any]:
+    """The registered settings of an env: entry point, constructor kwargs, max_turns, deadline_s."""
+    return dict(_spec(id).kwargs)
+
+
+def build_env(
+    env_entry_point: str,
+    env_kwargs: dict[str, Any],
+    max_turns: int | None,
+    deadline_s: float | None,
+    env_id: str | None = None,
+) -> Env:
+    """Instantiate an env from its entry point and put the standard wrappers around it."""
+    module, _, attr = env_entry_point.partition(":")
+    factory = getattr(importlib.import_module(module), attr)
+    env = factory(**env_kwargs)
+    if not isinstance(env, Env):
+        raise TypeError(f"{env_entry_point} returned {type(env).__name__}, not a reflow.env.Env")
+    env.spec_id = env_id
+    env = ContainErrors(env)
+    if max_turns is not None:
+        env = TurnLimit(env, max_turns)
+    if deadline_s is not None:
+        env = EpisodeDeadline(env, deadline_s)
+    return OrderEnforcing(env)
+
+
+def make(id: str, **kwargs: Any) -> Env:
+    """Make the async env registered as `id`; `max_turns`/`deadline_s` and constructor kwargs override."""
+    settings = spec_kwargs(id)
+    env_kwargs = {**settings["env_kwargs"], **{k: v for k, v in kwargs.items() if k not in _WRAPPER_KEYS}}
+    limits = {k: kwargs.get(k, settings[k]) for k in _WRAPPER_KEYS}
+    return build_env(settings["env_entry_point"], env_kwargs, env_id=id, **limits)
+
+
+def discover(force: bool = False) -> list[DiscoveryError]:
+    """Load every `reflow.envs` entry point once. A broken plugin is reported, never fatal."""
+    global _discovered
+    if _discovered and not force:
+        return discovery_errors
+    _discovered = True
+    discovery_errors.clear()
+    seen: set[str] = set()
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.value in seen:  # the same distribution can be visible twice (e.g. editable + sys.path)
+            continue
+        seen.add(ep.value)
+        try:
+            target = ep.load()
+            if callable(target):
+                with warnings.catch_warnings():  # re-registering on force=True is expected
+                    warnings.filterwarnings("ignore", message=".*Overriding environment.*")
+                    target()
+        except Exception as e:
+            err = DiscoveryError(f"{ep.name} = {ep.value}", f"{type(e).__name__}: {e}")
+            discovery_errors.append(err)
+            warnings.warn(f"reflow: env plugin {err.entry_point} failed to load: {err.error}", stacklevel=2)
+    return discovery_errors

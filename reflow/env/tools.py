@@ -1,0 +1,144 @@
+"""Tools: plain Python functions turned into OpenAI function schemas, with validated arguments.
+
+`Tool.from_function(fn)` reads the signature (type hints, defaults) and the Google-style docstring
+("Args:" section) and builds both the JSON schema the model sees and a pydantic model that checks the
+arguments the model sends. A tool signals a mistake of the agent (bad input, a failing program) by
+raising `ToolError`; any other exception is a bug in the env and is not hidden from the caller.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pydantic
+
+from reflow.env.core import ToolCall, ToolResult
+
+
+class ToolError(Exception):
+    """A tool call failed because of what the agent asked for; the message goes back to the model."""
+
+
+def _parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
+    """Split a Google-style docstring into the summary and {arg: description}."""
+    if not doc:
+        return "", {}
+    doc = inspect.cleandoc(doc)
+    parts = re.split(r"^\s*(?:Args|Arguments|Parameters):\s*$", doc, maxsplit=1, flags=re.MULTILINE)
+    summary = " ".join(parts[0].strip().split())
+    args: dict[str, str] = {}
+    if len(parts) == 2:
+        current = None
+        for line in parts[1].splitlines():
+            if re.match(r"^\s*(Returns|Raises|Yields|Examples?):", line):
+                break
+            m = re.match(r"^\s{0,8}(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$", line)
+            if m:
+                current = m.group(1)
+                args[current] = m.group(2).strip()
+            elif current and line.strip():
+                args[current] += " " + line.strip()
+    return summary, args
+
+
+def _strip_titles(schema: Any) -> Any:
+    """pydantic adds "title" everywhere; OpenAI tool schemas don't carry them."""
+    if isinstance(schema, dict):
+        return {k: _strip_titles(v) for k, v in schema.items() if k != "title"}
+    if isinstance(schema, list):
+        return [_strip_titles(v) for v in schema]
+    return schema
+
+
+@dataclass
+class Tool:
+    """A callable tool with its OpenAI schema and argument validator."""
+
+    name: str
+    description: str
+    fn: Callable[..., Any]
+    args_model: type[pydantic.BaseModel]
+
+    @classmethod
+    def from_function(cls, fn: Callable[..., Any], name: str | None = None) -> Tool:
+        """Build a tool from a (sync or async) function or bound method with type hints."""
+        summary, arg_docs = _parse_docstring(fn.__doc__)
+        fields: dict[str, Any] = {}
+        for pname, param in inspect.signature(fn).parameters.items():
+            if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                raise TypeError(f"tool {fn.__name__}: *args/**kwargs are not allowed in a tool signature")
+            if param.annotation is inspect.Parameter.empty:
+                raise TypeError(f"tool {fn.__name__}: parameter {pname!r} needs a type hint")
+            default = ... if param.default is inspect.Parameter.empty else param.default
+            fields[pname] = (param.annotation, pydantic.Field(default, description=arg_docs.get(pname)))
+        tool_name = name or fn.__name__
+        model = pydantic.create_model(
+            f"{tool_name}_args",
+            __config__=pydantic.ConfigDict(extra="forbid", strict=False),
+            **fields,
+        )
+        return cls(name=tool_name, description=summary, fn=fn, args_model=model)
+
+    @property
+    def schema(self) -> dict[str, Any]:
+        """The OpenAI function-tool schema."""
+        params = _strip_titles(self.args_model.model_json_schema())
+        params.setdefault("properties", {})
+        params.setdefault("required", [])
+        params.pop("additionalProperties", None)
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": params},
+        }
+
+    def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """Check the model's arguments; raises ToolError with a short, model-readable message."""
+        try:
+            parsed = self.args_model.model_validate(arguments)
+        except pydantic.ValidationError as e:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc']) or 'arguments'}: {err['msg']}" for err in e.errors()
+            )
+            raise ToolError(f"bad arguments for {self.name}: {problems}") from None
+        return {k: getattr(parsed, k) for k in type(parsed).model_fields}
+
+    async def __call__(self, call: ToolCall) -> ToolResult:
+        """Run one parsed call. Agent mistakes become a failed ToolResult; env bugs propagate."""
+        start = time.perf_counter()
+        try:
+            if call.parse_error:
+                raise ToolError(call.parse_error)
+            kwargs = self.validate(call.arguments)
+            out = self.fn(**kwargs)
+            if inspect.isawaitable(out):
+                out = await out
+        except ToolError as e:
+            return ToolResult(
+                call.id, call.name, f"Error: {e}", ok=False, latency_s=time.perf_counter() - start
+            )
+        if isinstance(out, ToolResult):
+            out.call_id, out.name, out.latency_s = call.id, call.name, time.perf_counter() - start
+            return out
+        return ToolResult(call.id, call.name, str(out), latency_s=time.perf_counter() - start)
+
+
+def validate_calls(calls: list[ToolCall], tools: list[Tool]) -> None:
+    """Mark unknown tools and bad arguments on the calls (sets `parse_error`, never raises)."""
+    by_name = {t.name: t for t in tools}
+    for call in calls:
+        if call.parse_error:
+            continue
+        tool = by_name.get(call.name or "")
+        if tool is None:
+            known = ", ".join(sorted(by_name)) or "none"
+            call.parse_error = f"unknown tool {call.name!r}; available tools: {known}"
+            continue
+        try:
+            tool.validate(call.arguments)
+        except ToolError as e:
+            call.parse_error = str(e)

@@ -1,0 +1,42 @@
+"""ContainErrors: an exception inside the env's `step` ends the episode as env_error instead of crashing.
+
+The caller gets a normal `StepResult` (truncated, reward 0, `info["status"] == "env_error"`, the error
+text in `info["error"]`) so one broken env cannot take down a batch of episodes. A failing `reset` has
+no episode to mark, so it raises `EnvError` with the cause attached.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+
+from reflow.env.core import AssistantTurn, EnvError, Observation, StepResult, Task, Wrapper
+
+log = logging.getLogger(__name__)
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+class ContainErrors(Wrapper):
+    async def reset(self, *, task: Task | None = None, seed: int | None = None) -> Observation:
+        try:
+            return await self.env.reset(task=task, seed=seed)
+        except (ValueError, TypeError) as e:  # a bad task or argument from the caller: say so plainly
+            raise ValueError(f"{self.unwrapped!r}: reset rejected its input: {e}") from e
+        except Exception as e:
+            raise EnvError(f"{self.unwrapped!r}: reset failed: {describe(e)}") from e
+
+    async def step(self, turn: AssistantTurn) -> StepResult:
+        try:
+            return await self.env.step(turn)
+        except Exception as e:
+            log.warning("env %r raised in step:\n%s", self.unwrapped, traceback.format_exc())
+            return StepResult(
+                messages=[],
+                reward=0.0,
+                terminated=False,
+                truncated=True,
+                info={"status": "env_error", "termination": "env_error", "error": describe(e)},
+            )

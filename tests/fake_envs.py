@@ -1,0 +1,91 @@
+"""Small envs used by the tests to drive failure paths (crashes, slow steps) through `reflow.make`."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from reflow.env import AssistantTurn, Env, Observation, StepResult, Task, Tool, ToolEnv
+
+TEST_ENVS = {
+    "test/Crashy-v0": ("fake_envs:CrashyEnv", {}),
+    "test/Slow-v0": ("fake_envs:SlowEnv", {}),
+    "test/Echo-v0": ("fake_envs:EchoEnv", {}),
+}
+
+
+def register_test_envs() -> None:
+    from reflow.env import register
+
+    for env_id, (entry_point, kwargs) in TEST_ENVS.items():
+        register(env_id, entry_point=entry_point, max_turns=5, kwargs=kwargs)
+
+
+class EchoEnv(ToolEnv):
+    """Never ends by itself: each turn gets an echo tool; `answer` echoes back."""
+
+    def __init__(self, tasks=None, greeting: str = "hello") -> None:
+        super().__init__(tasks)
+        self.greeting = greeting
+        self.tools = [Tool.from_function(self.echo)]
+        self.closed = 0
+
+    def echo(self, text: str, times: int = 1) -> str:
+        """Echo text back.
+
+        Args:
+            text: what to echo.
+            times: how many times.
+        """
+        return text * times
+
+    def generate_task(self, rng: random.Random) -> Task:
+        return {"id": f"echo-{rng.randint(0, 10**9)}"}
+
+    async def _reset(self, task: Task) -> Observation:
+        return Observation([{"role": "user", "content": self.greeting}])
+
+    async def answer(self, turn: AssistantTurn) -> StepResult:
+        return StepResult([{"role": "user", "content": f"you said: {turn.content}"}])
+
+    async def close(self) -> None:
+        self.closed += 1
+
+
+class CrashyEnv(EchoEnv):
+    """Raises inside step on the turn named by the task (or on every turn with crash_on=0)."""
+
+    def __init__(self, tasks=None, crash_on: int = 2, crash_reset: bool = False) -> None:
+        super().__init__(tasks)
+        self.crash_on, self.crash_reset, self.turn = crash_on, crash_reset, 0
+
+    async def _reset(self, task: Task) -> Observation:
+        if self.crash_reset:
+            raise KeyError("database of tasks is gone")
+        self.turn = 0
+        return await super()._reset(task)
+
+    async def step(self, turn: AssistantTurn) -> StepResult:
+        self.turn += 1
+        if self.turn >= self.crash_on:
+            raise ZeroDivisionError("the env divided by zero")
+        return await super().step(turn)
+
+
+class SlowEnv(Env):
+    """Each step sleeps `step_s` seconds."""
+
+    def __init__(self, tasks=None, step_s: float = 0.0, reset_s: float = 0.0) -> None:
+        super().__init__(tasks)
+        self.step_s, self.reset_s = step_s, reset_s
+
+    def generate_task(self, rng: random.Random) -> Task:
+        return {"id": "slow"}
+
+    async def _reset(self, task: Task) -> Observation:
+        await asyncio.sleep(self.reset_s)
+        return Observation([{"role": "user", "content": "wait"}])
+
+    async def step(self, turn: AssistantTurn) -> StepResult:
+        await asyncio.sleep(self.step_s)
+        return StepResult([{"role": "user", "content": "ok"}])

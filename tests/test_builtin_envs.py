@@ -1,0 +1,131 @@
+"""The built-in envs: checker, Gymnasium's check_env, scripted policies, task generators, JSONL tasks."""
+
+import asyncio
+import random
+import warnings
+from collections import Counter
+
+import gymnasium
+import pytest
+from conftest import BUILTIN_ENVS
+from gymnasium.utils.env_checker import check_env as gym_check_env
+from reflow_envs.calc.env import safe_eval
+
+import reflow
+from reflow.env import ToolError, env_ids, load_tasks, play_episode, scripted_policy, write_tasks
+from reflow.env.checker import check_env
+
+QUICK_ENVS = [e for e in BUILTIN_ENVS if e != "reflow/PyCode-v0"]  # PyCode has its own test module
+
+
+def test_all_four_builtin_envs_are_registered():
+    from reflow.env.registration import discovery_errors
+
+    assert discovery_errors == []
+    assert [e for e in env_ids() if e.startswith("reflow/")] == sorted(BUILTIN_ENVS)
+
+
+@pytest.mark.parametrize("env_id", BUILTIN_ENVS)
+async def test_reflow_checker_passes(env_id):
+    checks = await check_env(env_id)
+    failed = [(c.name, c.detail) for c in checks if not c.passed]
+    assert not failed
+    assert len(checks) == 10
+
+
+@pytest.mark.parametrize("env_id", BUILTIN_ENVS)
+def test_gymnasium_check_env_passes_without_warnings(env_id):
+    env = gymnasium.make(env_id)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gym_check_env(env.unwrapped)
+    env.close()
+
+
+async def _success(env_id, error_rate, n=60):
+    env = reflow.make(env_id)
+    results = [await play_episode(env, scripted_policy(env, error_rate, s), seed=s) for s in range(n)]
+    return results
+
+
+@pytest.mark.parametrize("env_id", QUICK_ENVS)
+async def test_scripted_policy_is_perfect_without_errors_and_worse_with_them(env_id):
+    clean = await _success(env_id, 0.0)
+    assert all(r.success and r.status == "ok" for r in clean)
+    noisy = await _success(env_id, 0.5)
+    assert sum(r.success for r in noisy) < len(noisy)
+    assert sum(r.turns for r in noisy) >= sum(r.turns for r in clean)
+    # slips show up as parse errors or extra turns, and the episode still ends properly
+    assert all(r.status in ("ok", "truncated") for r in noisy)
+
+
+@pytest.mark.parametrize("env_id", QUICK_ENVS)
+def test_task_generator_is_seeded_and_varied(env_id):
+    env = reflow.make(env_id)
+    a = [env.generate_task(random.Random(s)) for s in range(50)]
+    b = [env.generate_task(random.Random(s)) for s in range(50)]
+    assert a == b
+    assert len({t["id"] for t in a}) == 50
+
+
+def test_calc_episode_lengths_have_a_long_tail():
+    env = reflow.make("reflow/Calc-v0")
+    steps = Counter(len(env.generate_task(random.Random(s))["steps"]) for s in range(2000))
+    assert set(steps) == {1, 2, 3, 4, 5, 6}
+    assert steps[1] > steps[3] > steps[6] > 50
+    results = asyncio.run(_success("reflow/Calc-v0", 0.0, n=200))
+    turns = Counter(r.turns for r in results)
+    assert min(turns) == 2 and max(turns) == 7  # n calculator calls + the answer
+
+
+def test_guess_lengths_vary_with_the_range():
+    results = asyncio.run(_success("reflow/Guess-v0", 0.0, n=100))
+    turns = [r.turns for r in results]
+    assert min(turns) <= 4 and max(turns) >= 9
+
+
+async def test_calc_grades_the_boxed_answer():
+    env = reflow.make("reflow/Calc-v0")
+    task = {"id": "t1", "question": "Ava has 2 coins. She gets 3 more. How many?", "answer": 5}
+    from reflow.env import parse_assistant
+
+    await env.reset(task=task)
+    right = await env.step(parse_assistant("So \\boxed{5}."))
+    assert (right.reward, right.terminated, right.info["success"]) == (1.0, True, True)
+    await env.reset(task=task)
+    wrong = await env.step(parse_assistant("It is 5."))
+    assert (wrong.reward, wrong.info["termination"]) == (0.0, "no_answer")
+
+
+@pytest.mark.parametrize(
+    "expr", ["__import__('os').system('true')", "9**9**9", "1/0", "a + 1", "(1,2)", "1" * 300]
+)
+def test_calculator_refuses_unsafe_or_bad_expressions(expr):
+    with pytest.raises(ToolError):
+        safe_eval(expr)
+
+
+def test_calculator_evaluates():
+    assert safe_eval("(3 + 4) * 2 - 10 / 4") == 11.5
+    assert safe_eval("2^10") == 1024
+
+
+async def test_tasks_from_jsonl(tmp_path):
+    env = reflow.make("reflow/Math-v0")
+    tasks = [env.generate_task(random.Random(s)) for s in range(5)]
+    path = tmp_path / "tasks.jsonl"
+    assert write_tasks(path, tasks) == 5
+    from_file = reflow.make("reflow/Math-v0", tasks=str(path))
+    obs = await from_file.reset(seed=7)
+    assert obs.info["task_id"] == tasks[7 % 5]["id"]
+    assert obs.messages[-1]["content"] == tasks[2]["question"]
+
+
+def test_bad_jsonl_is_reported_with_its_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"id": 1, "question": "q", "answer": 1}\n{oops\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
+        load_tasks(path)
+    path.write_text('{"id": 1}\n')
+    with pytest.raises(ValueError, match="lacks required keys"):
+        reflow.make("reflow/Calc-v0", tasks=str(path))

@@ -1,0 +1,1 @@
+"""Tool implementations that run inside sandboxes (and, until the sandbox lands, in subprocesses)."""
