@@ -14,14 +14,14 @@ import random
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from reflow.env.tasks import Task, load_tasks
+
 if TYPE_CHECKING:
     from reflow.env.tools import Tool
 
 Message = dict[str, Any]
 """One chat message in OpenAI form: {"role": ..., "content": ..., optional "tool_calls"/"tool_call_id"/"name"}."""
 
-Task = dict[str, Any]
-"""One task: a JSON-serialisable dict with at least an "id". Hidden fields (answers, tests) stay in it."""
 
 EpisodeStatus = Literal["ok", "truncated", "timeout", "env_error", "infra_error"]
 EPISODE_STATUSES: tuple[str, ...] = ("ok", "truncated", "timeout", "env_error", "infra_error")
@@ -68,7 +68,11 @@ class AssistantTurn:
 
 @dataclass
 class ToolResult:
-    """The outcome of one tool call, as recorded in the trajectory."""
+    """The outcome of one tool call, as recorded in the trajectory.
+
+    `ok` is False when the call could not run as asked (malformed, bad arguments, a ToolError); a
+    program that ran and exited non-zero is still ok, with its `exit_code`.
+    """
 
     call_id: str
     name: str | None
@@ -122,15 +126,14 @@ class Env:
 
     Subclasses implement `generate_task` (seeded, offline), `_reset` and `step`; they may offer a
     scripted demonstration policy through `demo`. `reset(task=None, seed=s)` picks the task: an explicit
-    task, else one from `tasks` (loaded from JSONL) chosen by the seed, else a generated one.
+    task, else one from `tasks` (loaded from JSONL) chosen by the seed, else a generated one. The task
+    (hidden answers and tests included) stays on `env.task`; observations carry only its id and hash.
     """
 
     metadata: ClassVar[dict[str, Any]] = {}
     required_task_keys: ClassVar[tuple[str, ...]] = ("id",)
 
     def __init__(self, tasks: list[Task] | str | None = None) -> None:
-        from reflow.env.tasks import load_tasks
-
         self.tasks: list[Task] | None = load_tasks(tasks) if isinstance(tasks, str) else tasks
         if self.tasks is not None:
             for task in self.tasks:
@@ -151,7 +154,6 @@ class Env:
         obs.tools = [t.schema for t in self.tools]
         obs.info.setdefault("task_id", task["id"])
         obs.info.setdefault("task_hash", task_hash(task))
-        obs.info.setdefault("task", task)
         return obs
 
     async def step(self, turn: AssistantTurn) -> StepResult:

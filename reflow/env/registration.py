@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 import warnings
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -37,6 +38,8 @@ class DiscoveryError:
 
 
 _discovered = False
+_deferred = False  # an entry point was skipped because its module was mid-import; retry later
+_loaded: set[str] = set()
 discovery_errors: list[DiscoveryError] = []
 
 
@@ -124,18 +127,29 @@ def make(id: str, **kwargs: Any) -> Env:
     return build_env(settings["env_entry_point"], env_kwargs, env_id=id, **limits)
 
 
+def _mid_import(module_name: str) -> bool:
+    """True while `module_name` is being imported (it imported reflow, which runs discovery)."""
+    module = sys.modules.get(module_name)
+    return module is not None and bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
 def discover(force: bool = False) -> list[DiscoveryError]:
     """Load every `reflow.envs` entry point once. A broken plugin is reported, never fatal."""
-    global _discovered
-    if _discovered and not force:
+    global _discovered, _deferred
+    if _discovered and not _deferred and not force:
         return discovery_errors
-    _discovered = True
-    discovery_errors.clear()
-    seen: set[str] = set()
+    if force:
+        _loaded.clear()
+        discovery_errors.clear()
+    _discovered, _deferred = True, False
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.value in seen:  # the same distribution can be visible twice (e.g. editable + sys.path)
+        if ep.value in _loaded:  # the same distribution can be visible twice (e.g. editable + sys.path)
             continue
-        seen.add(ep.value)
+        if _mid_import(ep.module):
+            # `import reflow_envs.calc.env` imports reflow before reflow_envs.calc has finished.
+            _deferred = True
+            continue
+        _loaded.add(ep.value)
         try:
             target = ep.load()
             if callable(target):

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
-from reflow.env.core import Task
+Task = dict[str, Any]
+"""One task: a JSON-serialisable dict with at least an "id". Hidden fields (answers, tests) stay in it."""
 
 
 def load_tasks(path: str | Path) -> list[Task]:
