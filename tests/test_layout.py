@@ -2,8 +2,10 @@
 
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
+import pytest
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,3 +42,31 @@ def test_builtin_envs_import_only_the_public_env_api():
                 assert line.startswith(("from reflow.env import", "from reflow.env.answers import")), (
                     f"{path}: {line}"
                 )
+
+
+@pytest.mark.slow
+def test_wheel_installs_only_reflow_top_level_names(tmp_path):
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("reflow_rl-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
+    assert top == {"reflow", "reflow_envs", "reflow_tools"}
+    assert "reflow_envs/calc/env.py" in names and "reflow_tools/python_exec.py" in names
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "[reflow.envs]" in text and "calc = reflow_envs.calc:register_envs" in text
