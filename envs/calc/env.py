@@ -12,7 +12,17 @@ import operator
 import random
 import re
 
-from reflow.env import Message, Observation, StepResult, Task, Tool, ToolEnv, ToolError, format_hermes_call
+from reflow.env import (
+    AssistantTurn,
+    Message,
+    Observation,
+    StepResult,
+    Task,
+    Tool,
+    ToolEnv,
+    ToolError,
+    format_hermes_call,
+)
 from reflow.env.answers import extract_boxed, format_number, numbers_equal, parse_number
 
 SYSTEM_PROMPT = (
@@ -142,19 +152,11 @@ class CalcEnv(ToolEnv):
         ]
         return Observation(messages, info={"n_steps": len(task.get("steps", []))})
 
-    async def answer(self, turn) -> StepResult:
+    async def answer(self, turn: AssistantTurn) -> StepResult:
         given = parse_number(extract_boxed(turn.content))
         correct = numbers_equal(given, float(self.task["answer"]))
-        return StepResult(
-            messages=[],
-            reward=1.0 if correct else 0.0,
-            terminated=True,
-            info={
-                "success": correct,
-                "reward_components": {"correct": float(correct)},
-                "termination": "answered" if given is not None else "no_answer",
-            },
-        )
+        termination = "answered" if given is not None else "no_answer"
+        return StepResult.final(correct, termination=termination, components={"correct": float(correct)})
 
     def demo(self, task: Task, messages: list[Message], rng: random.Random, error_rate: float = 0.0) -> str:
         """Do the steps one calculator call at a time; with probability `error_rate` per turn, slip."""

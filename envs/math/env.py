@@ -67,15 +67,10 @@ class MathEnv(Env):
     async def step(self, turn: AssistantTurn) -> StepResult:
         boxed = extract_boxed(turn.content)
         correct = numbers_equal(parse_number(boxed), float(self.task["answer"]))
-        return StepResult(
-            messages=[],
-            reward=1.0 if correct else 0.0,
-            terminated=True,
-            info={
-                "success": correct,
-                "reward_components": {"correct": float(correct), "format": float(boxed is not None)},
-                "termination": "answered" if boxed is not None else "no_answer",
-            },
+        return StepResult.final(
+            correct,
+            termination="answered" if boxed is not None else "no_answer",
+            components={"correct": float(correct), "format": float(boxed is not None)},
         )
 
     def demo(self, task: Task, messages: list[Message], rng: random.Random, error_rate: float = 0.0) -> str:

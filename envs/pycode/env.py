@@ -211,19 +211,14 @@ class PyCodeEnv(ToolEnv):
         else:
             result = await grade(code, self.task["function_name"], tests, self.timeout_s)
         success = result.total > 0 and result.passed == result.total
-        return StepResult(
-            messages=[],
-            reward=1.0 if success else 0.0,
-            terminated=True,
-            info={
-                "success": success,
-                "reward_components": {"passed_fraction": result.passed / max(result.total, 1)},
-                "tests_passed": result.passed,
-                "tests_total": result.total,
-                "termination": "answered" if code is not None else "no_code",
-                "timed_out": result.timed_out,
-                "solution_error": result.error,
-            },
+        return StepResult.final(
+            success,
+            termination="answered" if code is not None else "no_code",
+            components={"passed_fraction": result.passed / max(result.total, 1)},
+            tests_passed=result.passed,
+            tests_total=result.total,
+            timed_out=result.timed_out,
+            solution_error=result.error,
         )
 
     def demo(self, task: Task, messages: list[Message], rng: random.Random, error_rate: float = 0.0) -> str:

@@ -106,6 +106,24 @@ class StepResult:
     def done(self) -> bool:
         return self.terminated or self.truncated
 
+    @classmethod
+    def final(
+        cls,
+        success: bool,
+        *,
+        termination: str,
+        components: dict[str, float],
+        messages: list[Message] | None = None,
+        **info: Any,
+    ) -> StepResult:
+        """The last step of a graded episode: reward 1 on success, else 0, with its components."""
+        return cls(
+            messages=messages or [],
+            reward=1.0 if success else 0.0,
+            terminated=True,
+            info={"success": success, "reward_components": components, "termination": termination, **info},
+        )
+
 
 class EnvError(RuntimeError):
     """The environment itself failed (a bug or a crash in env code); the episode is marked env_error."""
