@@ -1,0 +1,1 @@
+"""Model presets built with no hub downloads: the `tiny` CPU default and local HF folders."""
