@@ -38,10 +38,12 @@ BATCH, NEW_TOKENS, PROMPT_LEN = 32, 64, 64
 CLIENTS, TURNS, MIN_NEW, MAX_NEW, TURN_DELTA = 32, 4, 16, 160, 16
 
 
-def best_of(repeats: int, fns: dict[str, Callable[[], float]]) -> dict[str, list[float]]:
+def best_of(
+    repeats: int, fns: dict[str, Callable[[], float]], warm_up: bool = True
+) -> dict[str, list[float]]:
     """Run each variant `repeats` times, interleaved; returns every tokens/s figure per variant."""
     figures: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():  # warm-up (allocator, thread pools)
+    for fn in fns.values() if warm_up else ():  # allocator, thread pools, first-call paths
         fn()
     for _ in range(repeats):
         for name, fn in fns.items():
@@ -242,6 +244,7 @@ def main() -> None:
             "TorchEngine": lambda: engine_long_tail(engine),
             "model.generate batches": lambda: generate_server_long_tail(model, pad),
         },
+        warm_up=False,  # the uniform runs warmed up the same code paths
     )
     report(
         f"long tail: {CLIENTS} clients x {TURNS} turns, {MIN_NEW}-{MAX_NEW} new tokens (useful tok/s)",

