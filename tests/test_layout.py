@@ -1,5 +1,6 @@
 """Packaging and dependency rules from DESIGN.md."""
 
+import ast
 import subprocess
 import sys
 import zipfile
@@ -23,14 +24,65 @@ def test_no_generic_top_level_names_and_every_package_is_listed():
     assert found == listed, "pyproject's package list is out of date"
 
 
-def test_env_api_imports_no_heavy_or_forbidden_modules():
-    code = (
-        "import sys, reflow, reflow.env, reflow.cli; "
-        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'ray', 'sglang', 'fastapi')"
-        " or m.startswith(('reflow.engine', 'reflow.train', 'reflow.replay', 'reflow.rollout'))]; print(bad)"
+def _imported_after(code: str) -> set[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", f"import sys; {code}; print(' '.join(sys.modules))"],
+        capture_output=True,
+        text=True,
+        check=True,
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    return set(out.stdout.split())
+
+
+HEAVY = ("torch", "transformers", "ray", "sglang", "fastapi", "docker")
+
+
+def test_env_api_imports_no_heavy_or_forbidden_modules():
+    mods = _imported_after("import reflow, reflow.env")
+    assert not {m for m in mods if m.split(".")[0] in HEAVY}
+    layers = (
+        "reflow.engine",
+        "reflow.train",
+        "reflow.replay",
+        "reflow.rollout",
+        "reflow.sandbox",
+        "reflow.server",
+    )
+    assert not {m for m in mods if m.startswith(layers)}
+
+
+def test_cli_starts_without_heavy_imports():
+    mods = _imported_after("import reflow.cli; reflow.cli.build_parser()")
+    assert not {m for m in mods if m.split(".")[0] in HEAVY}
+
+
+# DESIGN.md's dependency rules: what each layer must not import (the recipes and CLI join them all).
+FORBIDDEN = {
+    "env": {"engine", "rollout", "replay", "train", "sandbox", "server", "recipes", "models"},
+    "engine": {"env", "rollout", "replay", "train", "recipes", "sandbox", "server"},
+    "replay": {"train", "engine", "recipes"},
+    "server": {"engine", "rollout", "replay", "train", "recipes", "models"},
+    "sandbox": {"engine", "rollout", "replay", "train", "recipes", "models", "server"},
+    "rollout": {"train", "replay", "recipes", "server"},
+    "train": {"env", "engine", "recipes", "server", "sandbox"},
+}
+
+
+def _reflow_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return {n.split(".")[1] for n in names if n.startswith("reflow.")}
+
+
+def test_layers_respect_the_dependency_rules():
+    for layer, forbidden in FORBIDDEN.items():
+        for path in (ROOT / "reflow" / layer).rglob("*.py"):
+            bad = _reflow_imports(path) & forbidden
+            assert not bad, f"{path.relative_to(ROOT)} imports reflow.{sorted(bad)}"
 
 
 def test_builtin_envs_import_only_the_public_env_api():

@@ -1,0 +1,276 @@
+"""`SGLangEngine`: the Engine interface over SGLang servers' native HTTP API.
+
+It launches `python -m sglang.launch_server` or attaches to running servers, and speaks the native
+routes: `/generate` with `input_ids` (token-in-token-out, `return_logprob`), `/update_weights_from_disk`,
+`/update_weights_from_tensor`, `/pause_generation`, `/continue_generation`, `/abort_request`,
+`/flush_cache`, `/health`. Requests go to the server with the fewest requests in flight.
+
+SGLang needs a GPU, so this module never imports sglang at module level; the request bodies are
+checked against sglang's own request classes in `tests/sglang/`, and `scripts/sglang_e2e.py` exercises
+a real server on a GPU machine. Logprobs: SGLang returns log_softmax(logits / temperature) for sampled
+requests (greedy: unscaled), which is the `GenerateResult` contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from reflow.engine.base import EngineError, FinishReason, GenerateResult, SamplingParams
+
+TOP_K_ALL = 1 << 30  # SGLang's "no top-k filter"
+
+
+def generate_payload(input_ids: list[int], params: SamplingParams, rid: str) -> dict[str, Any]:
+    """The `/generate` body for one request (a `GenerateReqInput`)."""
+    sampling: dict[str, Any] = {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else TOP_K_ALL,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,  # keep the text the ids say, stop string included
+    }
+    if params.stop:
+        sampling["stop"] = list(params.stop)
+    if params.stop_token_ids:
+        sampling["stop_token_ids"] = list(params.stop_token_ids)
+    if params.seed is not None:
+        sampling["sampling_seed"] = params.seed
+    return {
+        "rid": rid,
+        "input_ids": list(input_ids),
+        "sampling_params": sampling,
+        "return_logprob": True,
+        "logprob_start_len": -1,  # logprobs of the output only
+        "stream": False,
+    }
+
+
+def update_from_disk_payload(path: str, version: int) -> dict[str, Any]:
+    """The `/update_weights_from_disk` body (an `UpdateWeightFromDiskReqInput`)."""
+    return {
+        "model_path": path,
+        "weight_version": str(version),
+        "abort_all_requests": False,
+        "flush_cache": True,
+    }
+
+
+def update_from_tensor_payload(serialized: list[str], version: int) -> dict[str, Any]:
+    """The `/update_weights_from_tensor` body (an `UpdateWeightsFromTensorReqInput`); one entry per TP rank."""
+    return {"serialized_named_tensors": serialized, "weight_version": str(version), "flush_cache": True}
+
+
+def abort_payload(rid: str | None) -> dict[str, Any]:
+    """The `/abort_request` body (an `AbortReq`); no rid aborts everything."""
+    return {"rid": rid} if rid else {"rid": "", "abort_all": True}
+
+
+def pause_payload(mode: str = "abort") -> dict[str, Any]:
+    """The `/pause_generation` body (a `PauseGenerationReqInput`): abort | retract | in_place."""
+    if mode not in ("abort", "retract", "in_place"):
+        raise ValueError(f"pause mode must be abort, retract or in_place, got {mode!r}")
+    return {"mode": mode}
+
+
+def parse_generate_response(body: dict[str, Any], fallback_version: int) -> GenerateResult:
+    """A `/generate` response (`output_ids` + `meta_info`) as a GenerateResult."""
+    meta = body.get("meta_info") or {}
+    output_ids = list(body.get("output_ids") or [])
+    entries = meta.get("output_token_logprobs") or []
+    if len(entries) != len(output_ids):
+        raise EngineError(f"SGLang returned {len(output_ids)} ids but {len(entries)} logprobs")
+    logprobs = []
+    for (logprob, token_id, *_), expected in zip(entries, output_ids, strict=True):
+        if token_id != expected:
+            raise EngineError(
+                f"SGLang logprob entry for token {token_id} does not match output id {expected}"
+            )
+        logprobs.append(float(logprob))
+    reason = meta.get("finish_reason") or {}
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    finish: FinishReason = kind if kind in ("stop", "length", "abort") else "stop"
+    version = meta.get("weight_version")
+    try:
+        version = int(version)
+    except (TypeError, ValueError):
+        version = fallback_version
+    return GenerateResult(
+        output_ids=output_ids,
+        logprobs=logprobs,
+        finish_reason=finish,
+        weight_version=version,
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        matched_stop=reason.get("matched") if isinstance(reason, dict) else None,
+        meta={"id": meta.get("id"), "cached_tokens": meta.get("cached_tokens")},
+    )
+
+
+@dataclass
+class _Server:
+    url: str
+    in_flight: int = 0
+    process: subprocess.Popen | None = None
+    rids: set[str] = field(default_factory=set)
+
+
+class SGLangEngine:
+    """One or more SGLang servers behind the Engine interface."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        version: int = 0,
+    ) -> None:
+        if not urls:
+            raise ValueError("SGLangEngine needs at least one server URL")
+        self.servers = [_Server(u.rstrip("/")) for u in urls]
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.AsyncClient(timeout=timeout_s, headers=headers, transport=transport)
+        self._version = version
+
+    @classmethod
+    def launch(
+        cls,
+        model_path: str,
+        *,
+        ports: list[int],
+        host: str = "127.0.0.1",
+        extra_args: list[str] | None = None,
+        wait_s: float = 900.0,
+    ) -> SGLangEngine:
+        """Start one server per port (`python -m sglang.launch_server`) and wait until each is healthy."""
+        procs = []
+        for port in ports:
+            cmd = [
+                sys.executable,
+                "-m",
+                "sglang.launch_server",
+                "--model-path",
+                model_path,
+                "--host",
+                host,
+                "--port",
+                str(port),
+                *(extra_args or []),
+            ]
+            procs.append(subprocess.Popen(cmd, env=os.environ.copy()))
+        engine = cls([f"http://{host}:{p}" for p in ports])
+        for server, proc in zip(engine.servers, procs, strict=True):
+            server.process = proc
+        deadline = time.monotonic() + wait_s
+        for server in engine.servers:
+            while True:
+                if server.process and server.process.poll() is not None:
+                    raise EngineError(f"SGLang server {server.url} exited with {server.process.returncode}")
+                try:
+                    if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise EngineError(f"SGLang server {server.url} not healthy after {wait_s}s")
+                time.sleep(2)
+        return engine
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    async def _post(self, server: _Server, route: str, payload: dict[str, Any]) -> Any:
+        try:
+            response = await self.client.post(f"{server.url}{route}", json=payload)
+        except httpx.HTTPError as e:
+            raise EngineError(f"SGLang {server.url}{route}: {type(e).__name__}: {e}") from e
+        if response.status_code != 200:
+            raise EngineError(
+                f"SGLang {server.url}{route}: HTTP {response.status_code}: {response.text[:300]}"
+            )
+        return response.json() if response.content else {}
+
+    async def generate(
+        self, input_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> GenerateResult:
+        rid = request_id or uuid.uuid4().hex
+        server = min(self.servers, key=lambda s: s.in_flight)
+        server.in_flight += 1
+        server.rids.add(rid)
+        try:
+            body = await self._post(server, "/generate", generate_payload(input_ids, params, rid))
+        finally:
+            server.in_flight -= 1
+            server.rids.discard(rid)
+        return parse_generate_response(body, self._version)
+
+    async def abort(self, request_id: str) -> None:
+        for server in self.servers:
+            if request_id in server.rids:
+                await self._post(server, "/abort_request", abort_payload(request_id))
+
+    async def _all(self, route: str, payload: dict[str, Any]) -> list[Any]:
+        return list(await asyncio.gather(*(self._post(s, route, payload) for s in self.servers)))
+
+    async def update_weights(
+        self, state_dict: dict[str, Any] | None = None, path: str | None = None, version: int | None = None
+    ) -> int:
+        """From a checkpoint folder every server can read, or from tensors (same host: CUDA IPC handles)."""
+        new_version = self._version + 1 if version is None else version
+        if path is not None:
+            results = await self._all(
+                "/update_weights_from_disk", update_from_disk_payload(path, new_version)
+            )
+        elif state_dict is not None:
+            from sglang.srt.utils import MultiprocessingSerializer  # only where sglang is installed
+
+            serialized = MultiprocessingSerializer.serialize(list(state_dict.items()), output_str=True)
+            results = await self._all(
+                "/update_weights_from_tensor", update_from_tensor_payload([serialized], new_version)
+            )
+        else:
+            raise ValueError("update_weights needs a state_dict or a path")
+        failed = [r for r in results if isinstance(r, dict) and r.get("success") is False]
+        if failed:
+            raise EngineError(f"SGLang weight update failed: {failed[0].get('message')}")
+        self._version = new_version
+        return new_version
+
+    async def pause(self, mode: str = "abort") -> None:
+        await self._all("/pause_generation", pause_payload(mode))
+
+    async def resume(self) -> None:
+        await self._all("/continue_generation", {})
+
+    async def flush_cache(self) -> None:
+        await self._all("/flush_cache", {})
+
+    async def health(self) -> dict[str, Any]:
+        status = {}
+        for server in self.servers:
+            try:
+                status[server.url] = (await self.client.get(f"{server.url}/health")).status_code == 200
+            except httpx.HTTPError:
+                status[server.url] = False
+        return {"ok": all(status.values()), "servers": status, "weight_version": self._version}
+
+    async def close(self) -> None:
+        await self.client.aclose()
+        for server in self.servers:
+            if server.process and server.process.poll() is None:
+                server.process.terminate()
+                try:
+                    server.process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    server.process.kill()

@@ -1,0 +1,171 @@
+"""`reflow rollout`: play N episodes of an env with a model, write the trajectories, print a summary.
+
+reflow rollout --env reflow/Calc-v0 --model tiny --episodes 64 --out runs/calc.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from reflow.engine import Engine, SamplingParams
+from reflow.env import make
+from reflow.rollout.episode import EpisodeRunner, RolloutConfig, run_group
+from reflow.rollout.records import EpisodeRecord
+
+EVAL_SEED_BASE = 1_000_000
+"""Held-out tasks use seeds from here on; training draws its seeds below it."""
+
+
+async def collect(
+    runner: EpisodeRunner,
+    env_id: str,
+    episodes: int,
+    *,
+    group_size: int = 1,
+    seed: int = 0,
+    concurrency: int = 32,
+    env_kwargs: dict[str, Any] | None = None,
+) -> list[EpisodeRecord]:
+    """`episodes` episodes in groups of `group_size` (task seed = seed + group index), `concurrency`
+    episodes in flight at once on the runner's engine."""
+    n_groups = max(1, episodes // group_size)
+    limit = asyncio.Semaphore(max(1, concurrency // group_size))
+
+    async def one(g: int) -> list[EpisodeRecord]:
+        async with limit:
+            return await run_group(
+                runner, lambda: make(env_id, **(env_kwargs or {})), group_size, seed=seed + g
+            )
+
+    groups = await asyncio.gather(*(one(g) for g in range(n_groups)))
+    return [rec for group in groups for rec in group]
+
+
+def summarize(records: list[EpisodeRecord], seconds: float) -> dict[str, Any]:
+    turns = np.array([r.n_turns for r in records] or [0])
+    statuses: dict[str, int] = {}
+    for r in records:
+        statuses[r.status] = statuses.get(r.status, 0) + 1
+    generated = sum(r.n_generated_tokens for r in records)
+    return {
+        "episodes": len(records),
+        "reward_mean": float(np.mean([r.reward for r in records])) if records else 0.0,
+        "success_rate": float(np.mean([r.success for r in records])) if records else 0.0,
+        "turns_p50": float(np.percentile(turns, 50)),
+        "turns_p90": float(np.percentile(turns, 90)),
+        "turns_max": int(turns.max()),
+        "statuses": statuses,
+        "generated_tokens": generated,
+        "generated_tokens_per_s": generated / seconds if seconds > 0 else 0.0,
+        "seconds": seconds,
+    }
+
+
+def write_records(records: list[EpisodeRecord], path: str | Path) -> None:
+    """JSONL, or Parquet when the name ends in .parquet (one row per episode, nested columns)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [r.to_dict() for r in records]
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        # Free-form dicts (messages, tool results, info) vary in shape: store them as JSON text.
+        for row in rows:
+            for key in ("messages", "reward_components", "timings"):
+                row[key] = json.dumps(row[key])
+            for turn in row["turns"]:
+                for key in ("obs_messages", "tool_calls", "tool_results", "sampling_params"):
+                    turn[key] = json.dumps(turn[key])
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        with open(path, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+
+def make_engine(model_name: str, max_batch_size: int = 32) -> tuple[Engine, Any]:
+    from reflow.engine.torch_engine import TorchEngine
+    from reflow.models import load_model
+
+    model, tokenizer = load_model(model_name)
+    return TorchEngine(model, tokenizer, max_batch_size=max_batch_size), tokenizer
+
+
+async def evaluate(
+    engine: Engine,
+    tokenizer: Any,
+    env_id: str,
+    episodes: int,
+    *,
+    greedy: bool = True,
+    seed: int = EVAL_SEED_BASE,
+    max_new_tokens: int = 128,
+) -> dict[str, Any]:
+    """Success on a fixed held-out task set (seeds from EVAL_SEED_BASE), greedy by default."""
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0 if greedy else 1.0)
+    runner = EpisodeRunner(engine, tokenizer, RolloutConfig(sampling=sampling))
+    start = time.monotonic()
+    records = await collect(runner, env_id, episodes, seed=seed)
+    return summarize(records, time.monotonic() - start)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("rollout", help="play episodes of an env with a model and write trajectories")
+    p.add_argument("--env", required=True, help="env id, e.g. reflow/Calc-v0")
+    p.add_argument("--model", default="tiny", help="a preset name or a local HF folder")
+    p.add_argument("--episodes", type=int, default=32)
+    p.add_argument("--group-size", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0, help="task seed of the first group")
+    p.add_argument("--eval", action="store_true", help="greedy, on the held-out task seeds")
+    p.add_argument("--out", help="write trajectories here (.jsonl or .parquet)")
+    p.set_defaults(fn=cmd_rollout)
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    from reflow.cli import console
+
+    async def main() -> tuple[list[EpisodeRecord], float]:
+        engine, tokenizer = make_engine(args.model, args.max_batch_size)
+        temperature = 0.0 if args.eval else args.temperature
+        sampling = SamplingParams(
+            max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=args.top_p
+        )
+        runner = EpisodeRunner(engine, tokenizer, RolloutConfig(sampling=sampling))
+        start = time.monotonic()
+        try:
+            records = await collect(
+                runner,
+                args.env,
+                args.episodes,
+                group_size=args.group_size,
+                seed=EVAL_SEED_BASE if args.eval else args.seed,
+                concurrency=args.max_batch_size,
+            )
+        finally:
+            await engine.close()
+        return records, time.monotonic() - start
+
+    records, seconds = asyncio.run(main())
+    summary = summarize(records, seconds)
+    if args.out:
+        write_records(records, args.out)
+    console.print(
+        f"[bold]{args.env}[/bold] with {args.model}: {summary['episodes']} episodes, "
+        f"success {summary['success_rate']:.1%}, reward {summary['reward_mean']:.3f}, "
+        f"turns p50/p90/max {summary['turns_p50']:g}/{summary['turns_p90']:g}/{summary['turns_max']}, "
+        f"{summary['generated_tokens_per_s']:.0f} generated tokens/s, statuses {summary['statuses']}"
+    )
+    print(json.dumps(summary))
+    return 0

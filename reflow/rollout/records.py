@@ -1,0 +1,108 @@
+"""The trajectory record: episodes, their turns, and the token segments that become training rows.
+
+Field meanings follow DESIGN.md (Trajectory record). Everything is a plain dataclass of JSON types, so
+records go to JSONL, Parquet or the replay store without conversion code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from reflow.env import Message
+
+
+@dataclass
+class Segment:
+    """One training row: the exact token ids, with a loss mask of 1 only on sampled tokens.
+
+    `logprobs[i]` and `versions[i]` are the behaviour log-probability and policy version of token i
+    where it was sampled; 0.0 and -1 on prompt and observation tokens.
+    """
+
+    segment_id: int
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def extend_prompt(self, ids: list[int]) -> None:
+        self.token_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+    def extend_sampled(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+        if not len(ids) == len(logprobs) == len(versions):
+            raise ValueError("sampled ids, logprobs and versions must have the same length")
+        self.token_ids += ids
+        self.loss_mask += [1] * len(ids)
+        self.logprobs += logprobs
+        self.versions += versions
+
+    @property
+    def n_sampled(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass
+class TurnRecord:
+    turn_index: int
+    segment_id: int
+    obs_messages: list[Message]
+    prompt_delta_ids: list[int]
+    completion_ids: list[int]
+    completion_logprobs: list[float]
+    finish_reason: str
+    policy_version: int
+    token_versions: list[int]
+    sampling_params: dict[str, Any]
+    raw_text: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    tool_results: list[dict[str, Any]] = field(default_factory=list)
+    reward: float = 0.0
+    generation_s: float = 0.0
+    env_s: float = 0.0
+
+
+@dataclass
+class EpisodeRecord:
+    episode_id: str
+    group_id: str
+    env_id: str
+    task_id: Any
+    task_hash: str
+    seed: int | None
+    status: str = "ok"
+    termination: str = ""
+    reward: float = 0.0
+    reward_components: dict[str, float] = field(default_factory=dict)
+    success: bool = False
+    policy_version_start: int = 0
+    policy_version_end: int = 0
+    tokenizer_id: str = ""
+    chat_template_id: str = ""
+    sandbox_image: str | None = None
+    error: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    messages: list[Message] = field(default_factory=list)
+    turns: list[TurnRecord] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+
+    @property
+    def n_turns(self) -> int:
+        return len(self.turns)
+
+    @property
+    def n_generated_tokens(self) -> int:
+        return sum(len(t.completion_ids) for t in self.turns)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EpisodeRecord:
+        data = dict(data)
+        data["turns"] = [TurnRecord(**t) for t in data.get("turns", [])]
+        data["segments"] = [Segment(**s) for s in data.get("segments", [])]
+        return cls(**data)

@@ -1,0 +1,138 @@
+"""Supervised fine-tuning on token rows with a loss mask (warm-start before RL).
+
+A row is a rollout `Segment`: the loss covers only tokens with mask 1 (what the policy said), so the
+model learns to act, not to predict the env's replies. Rows are packed into micro-batches by a token
+budget; long runs stop on a wall-clock budget as well as on a step count.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from reflow.rollout.records import Segment
+
+
+@dataclass
+class SFTConfig:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    max_steps: int = 400
+    max_seconds: float = 240.0
+    batch_tokens: int = 4096
+    grad_clip: float = 1.0
+    seed: int = 0
+    log_every: int = 20
+
+
+@dataclass
+class SFTReport:
+    steps: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
+    losses: list[float] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+
+
+def pack_batches(rows: Sequence[Segment], batch_tokens: int, rng: random.Random) -> list[list[Segment]]:
+    """Group rows of similar length (little padding) so that rows x longest stays within
+    `batch_tokens`; the batch order is shuffled."""
+    order = sorted(rows, key=lambda r: (len(r.token_ids), rng.random()))
+    batches: list[list[Segment]] = []
+    current: list[Segment] = []
+    for row in order:  # ascending length: the row being added is the longest so far
+        if current and len(row.token_ids) * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(row)
+    if current:
+        batches.append(current)
+    rng.shuffle(batches)
+    return batches
+
+
+def masked_nll(model: torch.nn.Module, batch: list[Segment], pad_id: int) -> tuple[torch.Tensor, int]:
+    """Mean next-token loss over the tokens with mask 1, and how many there were."""
+    length = max(len(r.token_ids) for r in batch)
+    ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), length), dtype=torch.long)
+    attn = torch.zeros((len(batch), length), dtype=torch.long)
+    for i, row in enumerate(batch):
+        n = len(row.token_ids)
+        ids[i, :n] = torch.tensor(row.token_ids)
+        mask[i, :n] = torch.tensor(row.loss_mask)
+        attn[i, :n] = 1
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    targets, target_mask = ids[:, 1:], mask[:, 1:].bool()
+    loss = F.cross_entropy(logits[target_mask], targets[target_mask])
+    return loss, int(target_mask.sum())
+
+
+def sft_train(
+    model: torch.nn.Module,
+    rows: Sequence[Segment],
+    pad_id: int,
+    config: SFTConfig | None = None,
+    evaluate: Callable[[int], dict[str, Any]] | None = None,
+    eval_every: int = 0,
+    log: Callable[[str], None] = print,
+) -> SFTReport:
+    """Train in place; stops at `max_steps` or `max_seconds`, whichever comes first."""
+    cfg = config or SFTConfig()
+    rows = [r for r in rows if r.n_sampled > 0]
+    if not rows:
+        raise ValueError("no rows with sampled (mask 1) tokens to train on")
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+    )
+
+    def lr_at(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return cfg.lr * (step + 1) / cfg.warmup_steps
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+        return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    report = SFTReport()
+    start = time.monotonic()
+    model.train()
+    batches: list[list[Segment]] = []
+    while report.steps < cfg.max_steps and time.monotonic() - start < cfg.max_seconds:
+        if not batches:
+            batches = pack_batches(rows, cfg.batch_tokens, rng)
+        batch = batches.pop()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(report.steps)
+        loss, n_tokens = masked_nll(model, batch, pad_id)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        report.steps += 1
+        report.tokens += n_tokens
+        report.losses.append(loss.item())
+        if cfg.log_every and report.steps % cfg.log_every == 0:
+            recent = report.losses[-cfg.log_every :]
+            log(
+                f"step {report.steps}: loss {sum(recent) / len(recent):.4f} ({time.monotonic() - start:.0f}s)"
+            )
+        if evaluate and eval_every and report.steps % eval_every == 0:
+            model.eval()
+            report.evals.append({"step": report.steps, **evaluate(report.steps)})
+            model.train()
+    model.eval()
+    report.seconds = time.monotonic() - start
+    return report

@@ -1,0 +1,196 @@
+"""SGLangEngine requests checked against the real sglang package's request classes.
+
+SGLang cannot serve on this CPU machine, so the HTTP side runs against an httpx transport that parses
+each request with sglang's own classes (as its FastAPI server does) and answers in the shape
+`/generate` returns. `scripts/sglang_e2e.py` runs the same engine against a real server on a GPU.
+"""
+
+import dataclasses
+import json
+
+import httpx
+import msgspec
+import pytest
+
+from reflow.engine import EngineError, SamplingParams
+from reflow.engine.sglang_engine import (
+    SGLangEngine,
+    abort_payload,
+    generate_payload,
+    parse_generate_response,
+    pause_payload,
+    update_from_disk_payload,
+    update_from_tensor_payload,
+)
+
+pytestmark = pytest.mark.sglang
+
+PARAMS = [
+    SamplingParams(),
+    SamplingParams(max_new_tokens=7, temperature=0.0),
+    SamplingParams(
+        temperature=0.7, top_p=0.9, top_k=20, stop=["</tool_call>", "\n\n"], stop_token_ids=[3, 5], seed=11
+    ),
+]
+
+
+def io():
+    from sglang.srt.managers import io_struct
+
+    return io_struct
+
+
+def check_generate(payload: dict) -> None:
+    from sglang.srt.entrypoints.api_contract import generate_contract_error
+    from sglang.srt.sampling.sampling_params import SamplingParams as SGLSamplingParams
+
+    fields = {f.name for f in dataclasses.fields(io().GenerateReqInput)}
+    assert set(payload) <= fields, set(payload) - fields
+    req = io().GenerateReqInput(**json.loads(json.dumps(payload)))
+    req.normalize_batch_and_arguments()
+    assert req.rid == payload["rid"] and req.input_ids == payload["input_ids"] and req.return_logprob
+    assert generate_contract_error(json.loads(json.dumps(payload))) is None
+    sp = SGLSamplingParams(**payload["sampling_params"])
+    sp.normalize(ByteTokenizer())
+    sp.verify(vocab_size=1000)
+
+
+class ByteTokenizer:
+    """What SamplingParams.normalize asks of a tokenizer (stop-string lengths): one id per byte."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode())
+
+
+def check_struct(cls, payload: dict):
+    """Build the msgspec Struct from the JSON body (unknown keys raise), then type-check a round trip."""
+    obj = cls(**json.loads(json.dumps(payload)))
+    msgspec.convert(msgspec.to_builtins(obj), cls)
+    for key, value in payload.items():
+        assert getattr(obj, key) == value
+    return obj
+
+
+@pytest.mark.parametrize("params", PARAMS)
+def test_generate_payload_is_a_valid_generate_req_input(params):
+    payload = generate_payload([1, 2, 3], params, "rid-1")
+    check_generate(payload)
+    sampling = payload["sampling_params"]
+    assert sampling["max_new_tokens"] == params.max_new_tokens
+    assert sampling["top_k"] == (params.top_k or 1 << 30)
+
+
+def test_an_invalid_request_is_caught_by_sglangs_own_checks():
+    payload = generate_payload([1], SamplingParams(), "r")
+    payload["sampling_params"]["temperature"] = -1.0
+    from sglang.srt.sampling.sampling_params import SamplingParams as SGLSamplingParams
+
+    with pytest.raises(ValueError):
+        SGLSamplingParams(**payload["sampling_params"]).verify(vocab_size=1000)
+    with pytest.raises(TypeError):
+        io().GenerateReqInput(**{**payload, "no_such_field": 1})
+
+
+def test_weight_update_abort_pause_and_continue_payloads():
+    obj = check_struct(io().UpdateWeightFromDiskReqInput, update_from_disk_payload("/ckpt/step-3", 3))
+    assert obj.weight_version == "3"
+    check_struct(io().UpdateWeightsFromTensorReqInput, update_from_tensor_payload(["AAECAw=="], 4))
+    assert check_struct(io().AbortReq, abort_payload("rid-9")).rid == "rid-9"
+    assert check_struct(io().AbortReq, abort_payload(None)).abort_all is True
+    for mode in ("abort", "retract", "in_place"):
+        check_struct(io().PauseGenerationReqInput, pause_payload(mode))
+    check_struct(io().ContinueGenerationReqInput, {})
+    check_struct(io().FlushCacheReqInput, {})
+    with pytest.raises(ValueError):
+        pause_payload("sideways")
+
+
+def sglang_transport(log: list, weight_version: list, fail: bool = False) -> httpx.MockTransport:
+    """Parses every request with sglang's classes and answers like SGLang's HTTP server does."""
+    routes = {
+        "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
+        "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
+        "/abort_request": "AbortReq",
+        "/pause_generation": "PauseGenerationReqInput",
+        "/continue_generation": "ContinueGenerationReqInput",
+        "/flush_cache": "FlushCacheReqInput",
+    }
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/health":
+            return httpx.Response(200)
+        body = json.loads(request.content or b"{}")
+        log.append((request.url.host, path, body))
+        if fail:
+            return httpx.Response(503, text="server overloaded")
+        if path == "/generate":
+            check_generate(body)
+            n = min(body["sampling_params"]["max_new_tokens"], 4)
+            ids = [(t * 7 + 1) % 50 for t in body["input_ids"][-n:]][:n]
+            return httpx.Response(
+                200,
+                json={
+                    "text": "x" * n,
+                    "output_ids": ids,
+                    "meta_info": {
+                        "id": body["rid"],
+                        "finish_reason": {"type": "length", "length": n},
+                        "prompt_tokens": len(body["input_ids"]),
+                        "completion_tokens": n,
+                        "weight_version": weight_version[0],
+                        "output_token_logprobs": [[-0.5 - i, t, None] for i, t in enumerate(ids)],
+                    },
+                },
+            )
+        check_struct(getattr(io(), routes[path]), body)
+        if path == "/update_weights_from_disk":
+            weight_version[0] = body["weight_version"]
+            return httpx.Response(200, json={"success": True, "message": "ok", "num_paused_requests": 0})
+        return httpx.Response(200, json={"success": True})
+
+    return httpx.MockTransport(handler)
+
+
+async def test_engine_round_trip_routing_and_weight_versions():
+    log, version = [], ["0"]
+    engine = SGLangEngine(
+        ["http://gpu-a:30000", "http://gpu-b:30000"], transport=sglang_transport(log, version)
+    )
+    results = [await engine.generate([5, 6, 7, 8], SamplingParams(max_new_tokens=3)) for _ in range(2)]
+    assert results[0].output_ids == [(t * 7 + 1) % 50 for t in [6, 7, 8]]
+    assert results[0].logprobs == [-0.5, -1.5, -2.5] and results[0].finish_reason == "length"
+    assert results[0].weight_version == 0 and results[0].prompt_tokens == 4
+    assert await engine.update_weights(path="/ckpt/step-1") == 1
+    after = await engine.generate([1, 2], SamplingParams(max_new_tokens=2))
+    assert after.weight_version == 1 and engine.weight_version == 1
+    assert {host for host, path, _ in log if path == "/update_weights_from_disk"} == {"gpu-a", "gpu-b"}
+    await engine.pause("retract")
+    await engine.resume()
+    await engine.flush_cache()
+    assert (await engine.health())["ok"] is True
+    await engine.close()
+
+
+async def test_server_errors_become_engine_errors():
+    engine = SGLangEngine(["http://gpu-a:30000"], transport=sglang_transport([], ["0"], fail=True))
+    with pytest.raises(EngineError, match="HTTP 503"):
+        await engine.generate([1], SamplingParams())
+    await engine.close()
+
+
+def test_response_parsing_checks_consistency():
+    body = {
+        "output_ids": [4, 9, 2],
+        "meta_info": {
+            "finish_reason": {"type": "stop", "matched": 2},
+            "prompt_tokens": 10,
+            "weight_version": "default",
+            "output_token_logprobs": [[-0.1, 4, None], [-0.2, 9, None], [-0.3, 2, None]],
+        },
+    }
+    result = parse_generate_response(body, fallback_version=5)
+    assert (result.finish_reason, result.matched_stop, result.weight_version) == ("stop", 2, 5)
+    body["meta_info"]["output_token_logprobs"][1][1] = 8
+    with pytest.raises(EngineError, match="does not match"):
+        parse_generate_response(body, 0)

@@ -1,0 +1,173 @@
+"""The episode runner: token-in-token-out records, segments, masks, statuses, budgets, groups."""
+
+import asyncio
+import random
+
+import pytest
+from scripted_engine import ScriptedEngine
+
+import reflow
+from reflow.engine import SamplingParams
+from reflow.env import play_episode, scripted_policy
+from reflow.rollout.episode import EpisodeRunner, RolloutConfig, run_group
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from reflow.models import build_tiny
+
+    return AutoTokenizer.from_pretrained(build_tiny(tmp_path_factory.mktemp("tiny")))
+
+
+def _calc_task(min_steps: int = 5) -> dict:
+    env = reflow.make("reflow/Calc-v0")
+    for s in range(1000):
+        task = env.generate_task(random.Random(s))
+        if len(task["steps"]) >= min_steps:
+            return task
+    raise AssertionError("no long task")
+
+
+async def _demo_texts(env_id: str, task: dict, error_rate: float = 0.0, seed: int = 0) -> list[str]:
+    env = reflow.make(env_id)
+    result = await play_episode(env, scripted_policy(env, error_rate, seed), task=task, seed=seed)
+    return [r.raw_text for r in result.records]
+
+
+async def test_token_in_token_out_round_trip_over_many_tool_turns(tiny_tokenizer):
+    task = _calc_task(5)
+    texts = await _demo_texts("reflow/Calc-v0", task)
+    engine = ScriptedEngine(tiny_tokenizer, texts)
+    runner = EpisodeRunner(engine, tiny_tokenizer)
+    rec = await runner.run(reflow.make("reflow/Calc-v0"), task=task, seed=0)
+    assert (rec.status, rec.reward, rec.success) == ("ok", 1.0, True)
+    assert rec.n_turns == len(texts) >= 6
+    (seg,) = rec.segments
+    # the row is exactly prompt deltas and sampled ids, in order
+    rebuilt = [i for t in rec.turns for i in (*t.prompt_delta_ids, *t.completion_ids)]
+    assert seg.token_ids == rebuilt
+    # sampled ids and logprobs sit under mask 1, exactly as the engine returned them
+    sampled = [i for i, m in zip(seg.token_ids, seg.loss_mask, strict=True) if m]
+    assert sampled == [i for r in engine.results for i in r.output_ids]
+    assert [lp for lp, m in zip(seg.logprobs, seg.loss_mask, strict=True) if m] == [
+        lp for r in engine.results for lp in r.logprobs
+    ]
+    assert all(v == -1 for v, m in zip(seg.versions, seg.loss_mask, strict=True) if not m)
+    # every prompt the engine saw is a prefix of the row, ending where its completion starts
+    pos = 0
+    for turn, prompt in zip(rec.turns, engine.prompts, strict=True):
+        pos += len(turn.prompt_delta_ids)
+        assert prompt == seg.token_ids[:pos]
+        pos += len(turn.completion_ids)
+    # tool results come back as mask-0 tokens of the observation
+    later = rec.turns[1]
+    assert later.obs_messages[0]["role"] == "tool"
+    assert "<tool_response>" in tiny_tokenizer.decode(later.prompt_delta_ids)
+    assert rec.turns[0].tool_calls[0]["name"] == "calculator"
+    assert rec.turns[0].tool_results[0]["ok"] is True
+
+
+async def test_template_that_rewrites_history_starts_a_new_segment(tiny_tokenizer):
+    # Qwen3-style: reasoning of earlier assistant turns is dropped when history is re-rendered.
+    tok = tiny_tokenizer.__class__.from_pretrained(tiny_tokenizer.name_or_path)
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{% if m.role == 'assistant' and not loop.last %}{{ m.content.split('</think>')[-1].lstrip() }}"
+        "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    task = _calc_task(3)
+    texts = ["<think>step</think>\n" + t for t in await _demo_texts("reflow/Calc-v0", task)]
+    engine = ScriptedEngine(tok, texts)
+    rec = await EpisodeRunner(engine, tok).run(reflow.make("reflow/Calc-v0"), task=task, seed=0)
+    assert rec.status == "ok"
+    assert len(rec.segments) == rec.n_turns
+    for seg, turn, prompt in zip(rec.segments, rec.turns, engine.prompts, strict=True):
+        assert seg.token_ids == prompt + turn.completion_ids
+        assert sum(seg.loss_mask) == len(turn.completion_ids)
+        assert turn.segment_id == seg.segment_id
+    assert "<think>" not in tok.decode(rec.segments[-1].token_ids[: -len(rec.turns[-1].completion_ids)])
+
+
+async def test_engine_failure_mid_episode_is_infra_error_not_zero_reward(tiny_tokenizer):
+    task = _calc_task(4)
+    engine = ScriptedEngine(tiny_tokenizer, await _demo_texts("reflow/Calc-v0", task), fail_on_call=2)
+    rec = await EpisodeRunner(engine, tiny_tokenizer).run(reflow.make("reflow/Calc-v0"), task=task, seed=0)
+    assert rec.status == "infra_error" and "engine process died" in rec.error
+    assert rec.n_turns == 2 and not rec.success
+
+
+async def test_env_error_is_recorded(tiny_tokenizer):
+    engine = ScriptedEngine(tiny_tokenizer, ["hello"])
+    rec = await EpisodeRunner(engine, tiny_tokenizer).run(reflow.make("test/Crashy-v0", crash_on=2), seed=0)
+    assert rec.status == "env_error" and "ZeroDivisionError" in rec.error and rec.n_turns == 2
+
+
+async def test_turn_limit_and_token_budgets(tiny_tokenizer):
+    engine = ScriptedEngine(tiny_tokenizer, ["talking"])
+    rec = await EpisodeRunner(engine, tiny_tokenizer).run(reflow.make("test/Echo-v0", max_turns=3), seed=0)
+    assert (rec.status, rec.termination, rec.n_turns) == ("truncated", "max_turns", 3)
+
+    prompt_len = len(rec.turns[0].prompt_delta_ids)
+    small = RolloutConfig(max_context_tokens=prompt_len + 40)
+    rec = await EpisodeRunner(engine, tiny_tokenizer, small).run(reflow.make("test/Echo-v0", max_turns=50), seed=0)
+    assert (rec.status, rec.termination) == ("truncated", "token_budget")
+    assert 1 <= rec.n_turns < 10
+    assert all(len(s.token_ids) <= prompt_len + 40 for s in rec.segments)
+    tiny = RolloutConfig(max_context_tokens=prompt_len)
+    rec = await EpisodeRunner(engine, tiny_tokenizer, tiny).run(reflow.make("test/Echo-v0"), seed=0)
+    assert (rec.status, rec.termination, rec.n_turns) == ("truncated", "token_budget", 0)
+
+    capped = RolloutConfig(max_generated_tokens=10)
+    rec = await EpisodeRunner(engine, tiny_tokenizer, capped).run(
+        reflow.make("test/Echo-v0", max_turns=50), seed=0
+    )
+    assert rec.status == "truncated" and rec.n_generated_tokens <= 10
+
+
+async def test_length_cut_turn_stops_the_episode_without_stepping_the_env(tiny_tokenizer):
+    engine = ScriptedEngine(tiny_tokenizer, ["word " * 50])
+    config = RolloutConfig(sampling=SamplingParams(max_new_tokens=8))
+    env = reflow.make("test/Echo-v0")
+    rec = await EpisodeRunner(engine, tiny_tokenizer, config).run(env, seed=0)
+    assert (rec.status, rec.termination, rec.n_turns) == ("truncated", "turn_length", 1)
+    assert rec.turns[0].finish_reason == "length" and len(rec.turns[0].completion_ids) == 8
+    assert rec.turns[0].env_s == 0.0 and rec.turns[0].tool_results == []
+
+
+async def test_deadline_aborts_a_slow_generation(tiny_tokenizer):
+    engine = ScriptedEngine(tiny_tokenizer, ["hi"], delay_s=30)
+    config = RolloutConfig(deadline_s=0.3)
+    rec = await asyncio.wait_for(
+        EpisodeRunner(engine, tiny_tokenizer, config).run(reflow.make("test/Echo-v0"), seed=0), 10
+    )
+    assert rec.status == "timeout" and len(engine.aborted) == 1
+
+
+async def test_aborted_request_is_infra_error(tiny_tokenizer):
+    engine = ScriptedEngine(tiny_tokenizer, ["hi"], finish_override={0: "abort"})
+    rec = await EpisodeRunner(engine, tiny_tokenizer).run(reflow.make("test/Echo-v0"), seed=0)
+    assert rec.status == "infra_error" and rec.termination == "aborted"
+
+
+async def test_group_runs_concurrently_on_one_engine(tiny_tokenizer):
+    engine = ScriptedEngine(tiny_tokenizer, ["a \\boxed{1}"], delay_s=0.05)
+    runner = EpisodeRunner(engine, tiny_tokenizer)
+    recs = await run_group(runner, lambda: reflow.make("reflow/Math-v0"), 8, seed=3)
+    assert engine.max_in_flight == 8  # in flight together, not one after another
+    assert len({r.group_id for r in recs}) == 1 and len({r.episode_id for r in recs}) == 8
+    assert len({r.task_hash for r in recs}) == 1 and all(r.status == "ok" for r in recs)
+
+
+async def test_demo_policy_gives_the_same_layout_without_an_engine(tiny_tokenizer):
+    runner = EpisodeRunner(None, tiny_tokenizer)
+    env = reflow.make("reflow/Calc-v0")
+    rec = await runner.run(env, seed=5, demo_policy=scripted_policy(env, 0.0, 5))
+    assert rec.status == "ok" and rec.success
+    (seg,) = rec.segments
+    assert sum(seg.loss_mask) == rec.n_generated_tokens
+    assert all(t.completion_ids[-1] == tiny_tokenizer.eos_token_id for t in rec.turns)
