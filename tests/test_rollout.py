@@ -114,7 +114,9 @@ async def test_turn_limit_and_token_budgets(tiny_tokenizer):
 
     prompt_len = len(rec.turns[0].prompt_delta_ids)
     small = RolloutConfig(max_context_tokens=prompt_len + 40)
-    rec = await EpisodeRunner(engine, tiny_tokenizer, small).run(reflow.make("test/Echo-v0", max_turns=50), seed=0)
+    rec = await EpisodeRunner(engine, tiny_tokenizer, small).run(
+        reflow.make("test/Echo-v0", max_turns=50), seed=0
+    )
     assert (rec.status, rec.termination) == ("truncated", "token_budget")
     assert 1 <= rec.n_turns < 10
     assert all(len(s.token_ids) <= prompt_len + 40 for s in rec.segments)
@@ -171,3 +173,37 @@ async def test_demo_policy_gives_the_same_layout_without_an_engine(tiny_tokenize
     (seg,) = rec.segments
     assert sum(seg.loss_mask) == rec.n_generated_tokens
     assert all(t.completion_ids[-1] == tiny_tokenizer.eos_token_id for t in rec.turns)
+
+
+@pytest.mark.slow
+async def test_real_engine_rows_reproduce_the_sampled_logprobs(tmp_path):
+    """With the real TorchEngine and tiny model: each training row, fed to the model in one forward
+    pass, gives back the logprobs the engine sampled with (so nothing was re-tokenized)."""
+    import torch
+
+    from reflow.engine.torch_engine import TorchEngine
+    from reflow.models import load_model
+
+    model, tok = load_model("tiny", num_hidden_layers=2, hidden_size=128, intermediate_size=256)
+    engine = TorchEngine(model, tok, max_batch_size=8)
+    config = RolloutConfig(
+        sampling=SamplingParams(max_new_tokens=24, temperature=1.0), max_context_tokens=1024
+    )
+    try:
+        recs = await run_group(
+            EpisodeRunner(engine, tok, config), lambda: reflow.make("reflow/Calc-v0"), 6, seed=1
+        )
+    finally:
+        await engine.close()
+    assert {r.status for r in recs} <= {"ok", "truncated"}
+    for rec in recs:
+        assert rec.n_turns >= 1 and rec.n_generated_tokens > 0
+        for seg in rec.segments:
+            ids = torch.tensor([seg.token_ids])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+            recomputed = logp.gather(-1, ids[0, 1:, None])[:, 0]
+            mask = torch.tensor(seg.loss_mask[1:], dtype=torch.bool)
+            recorded = torch.tensor(seg.logprobs[1:])
+            assert mask.any()
+            assert torch.allclose(recomputed[mask], recorded[mask], atol=1e-4)

@@ -1,0 +1,110 @@
+"""`reflow rollout` and `reflow warmstart`, run as a user runs them (small budgets)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REFLOW = str(Path(sys.executable).parent / "reflow")
+
+
+def run(*args, timeout=600):
+    out = subprocess.run([REFLOW, *args], capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return out, json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    from reflow.models import build_tiny
+
+    return str(
+        build_tiny(
+            tmp_path_factory.mktemp("model"), num_hidden_layers=2, hidden_size=128, intermediate_size=256
+        )
+    )
+
+
+@pytest.mark.slow
+def test_rollout_writes_parquet_and_prints_the_summary(small_model, tmp_path):
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "calc.parquet"
+    out, summary = run(
+        "rollout",
+        "--env",
+        "reflow/Calc-v0",
+        "--model",
+        small_model,
+        "--episodes",
+        "8",
+        "--group-size",
+        "4",
+        "--max-new-tokens",
+        "24",
+        "--out",
+        str(path),
+    )
+    assert summary["episodes"] == 8 and summary["generated_tokens"] > 0
+    assert summary["turns_p50"] <= summary["turns_p90"] <= summary["turns_max"]
+    assert "generated tokens/s" in out.stdout
+    table = pq.read_table(path).to_pylist()
+    assert len(table) == 8 and len({row["group_id"] for row in table}) == 2
+    first = table[0]
+    seg = first["segments"][0]
+    assert len(seg["token_ids"]) == len(seg["loss_mask"]) == len(seg["logprobs"])
+    assert sum(seg["loss_mask"]) == sum(
+        len(t["completion_ids"]) for t in first["turns"] if t["segment_id"] == 0
+    )
+
+
+@pytest.mark.slow
+def test_warmstart_trains_on_demos_saves_a_model_and_evaluates(small_model, tmp_path):
+    out_dir = tmp_path / "warm"
+    _, summary = run(
+        "warmstart",
+        "--env",
+        "reflow/Math-v0",
+        "--model",
+        small_model,
+        "--out",
+        str(out_dir),
+        "--demos",
+        "40",
+        "--seconds",
+        "20",
+        "--max-steps",
+        "15",
+        "--eval-episodes",
+        "8",
+    )
+    assert summary["sft_steps"] == 15 and summary["demo_rows"] == 40
+    assert sum(summary["heldout_statuses"].values()) == 8
+    assert json.loads((out_dir / "warmstart.json").read_text()) == summary
+    from reflow.models import load_model
+
+    model, tok = load_model(str(out_dir))
+    before, _ = load_model(small_model)
+    changed = [n for n, p in model.named_parameters() if not (p == dict(before.named_parameters())[n]).all()]
+    assert changed, "SFT did not change the weights"
+    assert tok.chat_template
+
+
+def test_sft_loss_covers_only_sampled_tokens():
+    import torch
+
+    from reflow.models import load_model
+    from reflow.rollout.records import Segment
+    from reflow.train.sft import masked_nll
+
+    model, tok = load_model("tiny", num_hidden_layers=1, hidden_size=64, intermediate_size=128)
+    row = Segment(0)
+    row.extend_prompt([5, 6, 7, 8])
+    row.extend_sampled([9, 10], [0.0, 0.0], [0, 0])
+    loss, n = masked_nll(model, [row], tok.pad_token_id)
+    assert n == 2
+    logits = model(input_ids=torch.tensor([row.token_ids])).logits[0].float()
+    expected = torch.nn.functional.cross_entropy(logits[3:5], torch.tensor([9, 10]))
+    assert torch.allclose(loss, expected, atol=1e-5)
