@@ -179,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="append every episode record to this JSONL file")
     p.add_argument("--json", action="store_true", help="also print the summaries as one JSON line")
     p.set_defaults(fn=cmd_envs_play)
+
+    from reflow.sandbox.cli import add_sandbox_commands  # `reflow sandbox ...` (issue F2)
+
+    add_sandbox_commands(sub)
     return parser
 
 

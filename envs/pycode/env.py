@@ -6,7 +6,12 @@ call. The env runs the hidden tests on that code in a child process and compares
 it, as canonical JSON, so a solution cannot pass by printing or by a custom `__eq__`.
 Reward: 1 if every test passes, else 0 (the passed fraction is reported as a component).
 
-Code runs through `reflow_tools.python_exec`: a subprocess with rlimits, not a sandbox.
+Where code runs is chosen per env with `sandbox=`: "docker" (a container from a warm pool, reset
+between episodes), "process" (bubblewrap namespaces, weaker), "subprocess" (`reflow_tools.python_exec`:
+a host subprocess with rlimits, not a sandbox), or "auto", the default: the strongest that works here.
+The env reaches the sandboxes through `reflow_tools.code_runner` (it imports only `reflow.env` and
+`reflow_tools`); a runner object can also be passed in. The agent's runs and the hidden tests of an
+episode share one sandbox, which goes back to the pool when the answer is graded or the env resets.
 """
 
 from __future__ import annotations
@@ -21,15 +26,18 @@ from typing import Any
 
 from reflow_envs.pycode.problems import FAMILIES
 from reflow_tools import python_exec
+from reflow_tools.code_runner import CodeRunner, RunnerError, SubprocessRunner, code_runner
 
 from reflow.env import (
     AssistantTurn,
+    EnvError,
     Message,
     Observation,
     StepResult,
     Task,
     Tool,
     ToolEnv,
+    ToolError,
     ToolResult,
     format_hermes_call,
 )
@@ -105,11 +113,21 @@ def _matches(answer: str | None, expected: Any) -> bool:
         return False
 
 
-async def grade(code: str, function_name: str, tests: list[list[Any]], timeout_s: float = 5.0) -> Grade:
-    """Run `tests` ([args, expected] pairs) on `function_name` from `code` in a child process."""
+async def grade(
+    code: str,
+    function_name: str,
+    tests: list[list[Any]],
+    timeout_s: float = 5.0,
+    runner: CodeRunner | None = None,
+) -> Grade:
+    """Run `tests` ([args, expected] pairs) on `function_name` from `code` in a child process.
+
+    `runner` says where (a sandbox from `code_runner`); a host subprocess by default. Raises
+    `RunnerError` when the runner cannot run the harness at all.
+    """
     nonce = secrets.token_hex(8)
     spec = {"code": code, "function_name": function_name, "args": [args for args, _ in tests]}
-    result = await python_exec.run_python(
+    result = await (runner or SubprocessRunner()).run_python(
         HARNESS, stdin=f"{nonce}\n{json.dumps(spec)}\n", timeout_s=timeout_s, output_limit=1 << 20
     )
     got: dict[int, str | None] = {}
@@ -176,9 +194,18 @@ def build_task(family: str, rng: random.Random) -> Task:
 class PyCodeEnv(ToolEnv):
     required_task_keys = ("id", "prompt", "function_name", "tests")
 
-    def __init__(self, tasks: list[Task] | str | None = None, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        tasks: list[Task] | str | None = None,
+        timeout_s: float = 5.0,
+        sandbox: str | CodeRunner | None = "auto",
+    ) -> None:
+        """`sandbox`: "docker", "process", "subprocess", "auto" (the best available) or a runner object."""
         super().__init__(tasks)
         self.timeout_s = timeout_s
+        self.runner: CodeRunner = (
+            sandbox if sandbox is not None and not isinstance(sandbox, str) else code_runner(sandbox)
+        )
         self.tools = [Tool.from_function(self.run_python)]
 
     async def run_python(self, code: str) -> ToolResult:
@@ -187,21 +214,31 @@ class PyCodeEnv(ToolEnv):
         Args:
             code: the complete program; print what you want to see. It runs for a few seconds at most.
         """
-        result = await python_exec.run_python(code, timeout_s=self.timeout_s, output_limit=OUTPUT_LIMIT)
+        try:
+            result = await self.runner.run_python(code, timeout_s=self.timeout_s, output_limit=OUTPUT_LIMIT)
+        except RunnerError as e:
+            raise ToolError(str(e)) from None
         content = format_exec(result, self.timeout_s)
         return ToolResult("", "run_python", content, exit_code=result.exit_code, truncated=result.truncated)
+
+    async def close(self) -> None:
+        await self.runner.close()
 
     def generate_task(self, rng: random.Random) -> Task:
         return build_task(rng.choice(sorted(FAMILIES)), rng)
 
     async def _reset(self, task: Task) -> Observation:
+        await self.runner.end_episode()  # the last episode's sandbox goes back to be reset
         messages = [
             {"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": task["prompt"]},
         ]
-        return Observation(
-            messages, info={"family": task.get("family"), "function_name": task["function_name"]}
-        )
+        info = {
+            "family": task.get("family"),
+            "function_name": task["function_name"],
+            "sandbox": self.runner.kind,
+        }
+        return Observation(messages, info=info)
 
     async def answer(self, turn: AssistantTurn) -> StepResult:
         code = extract_code(turn.content)
@@ -209,7 +246,12 @@ class PyCodeEnv(ToolEnv):
         if code is None:
             result = Grade(0, len(tests), False)
         else:
-            result = await grade(code, self.task["function_name"], tests, self.timeout_s)
+            try:
+                result = await grade(code, self.task["function_name"], tests, self.timeout_s, self.runner)
+            except RunnerError as e:
+                raise EnvError(f"cannot grade the answer: {e}") from e
+            finally:
+                await self.runner.end_episode()
         success = result.total > 0 and result.passed == result.total
         return StepResult.final(
             success,

@@ -1,1 +1,58 @@
-"""Tool sandboxes: Docker containers (and a weaker process sandbox) that run model-written code."""
+"""Tool sandboxes: Docker containers (and a weaker process sandbox) that run model-written code.
+
+- `Sandbox` (protocol): exec, run_tool, upload, download, close, is_alive; `ToolOutput` results.
+- `DockerSandbox`: a container with the in-sandbox tool server as PID 1; `ProcessSandbox`: bubblewrap.
+- `SandboxPool`: warm sandboxes for episodes, reset between them, with a live cap and a start rate.
+- `SandboxSession`: an env's per-episode lease; `shared_pool`, `make_sandbox`, `best_backend`.
+- `build_image` (sandbox images from a Dockerfile or debootstrap), `reap` (orphan containers).
+
+Nothing here imports torch, transformers or ray; the Docker SDK is imported only when used.
+"""
+
+from reflow.sandbox.base import (
+    TOOLS,
+    BaseSandbox,
+    Sandbox,
+    SandboxDied,
+    SandboxError,
+    SandboxLimits,
+    ToolOutput,
+)
+from reflow.sandbox.docker_sandbox import DockerSandbox
+from reflow.sandbox.factory import (
+    backend_problem,
+    best_backend,
+    close_shared_pools,
+    make_sandbox,
+    shared_pool,
+)
+from reflow.sandbox.images import DEFAULT_IMAGE, BuildError, ImageRecipe, build_image
+from reflow.sandbox.pool import PoolExhausted, SandboxPool
+from reflow.sandbox.process_sandbox import ProcessSandbox
+from reflow.sandbox.reaper import reap
+from reflow.sandbox.session import SandboxSession
+
+__all__ = [
+    "DEFAULT_IMAGE",
+    "TOOLS",
+    "BaseSandbox",
+    "BuildError",
+    "DockerSandbox",
+    "ImageRecipe",
+    "PoolExhausted",
+    "ProcessSandbox",
+    "Sandbox",
+    "SandboxDied",
+    "SandboxError",
+    "SandboxLimits",
+    "SandboxPool",
+    "SandboxSession",
+    "ToolOutput",
+    "backend_problem",
+    "best_backend",
+    "build_image",
+    "close_shared_pools",
+    "make_sandbox",
+    "reap",
+    "shared_pool",
+]

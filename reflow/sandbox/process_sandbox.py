@@ -1,0 +1,205 @@
+"""`ProcessSandbox`: bubblewrap namespaces plus rlimits, for machines without Docker. WEAKER than Docker.
+
+What it does: new user, pid, network, ipc, uts and cgroup namespaces (`bwrap --unshare-all`), so code
+inside sees only loopback, only its own processes and a fake uid; a read-only bind of the host's /usr
+(and nothing else of the host's files but a few /etc files the loader needs); tmpfs at /work and /tmp
+with size caps; all capabilities dropped, a new session (no terminal injection), death with its parent;
+when the host process is root, bwrap itself runs as `nobody`, so the sandbox is not host root in any
+namespace. The tool server is the namespace's PID 1 (unkillable from inside) and kills every process a
+call leaves; each call gets rlimits: address space, CPU seconds, file size, number of processes.
+
+What it does NOT do (Docker does): no cgroup, so no cap on the sandbox's total memory or CPU share and
+no pids cgroup (RLIMIT_NPROC per call stands in for it); the host's /usr is visible read-only (installed
+software, its versions, anything readable under /usr); it relies on unprivileged user namespaces and on
+the kernel's namespace code as the only boundary. Use Docker for untrusted code at scale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from functools import cache
+from typing import Any
+
+from reflow.sandbox.base import BaseSandbox, SandboxDied, SandboxError, SandboxLimits, ToolOutput
+from reflow.sandbox.channel import PipeStream, ToolServerClient, server_source
+
+WORKDIR = "/work"
+SANDBOX_UID = 10001
+NOBODY = 65534
+START_TIMEOUT_S = 15.0
+PER_CALL_NPROC = 64
+ETC_FILES = (
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/localtime",
+    "/etc/alternatives",
+)
+ENV = {
+    "HOME": WORKDIR,
+    "LANG": "C.UTF-8",
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "PYTHONHASHSEED": "0",
+    "PYTHONDONTWRITEBYTECODE": "1",
+}
+
+
+def _python() -> str | None:
+    """A Python 3 under /usr (the only host tree the sandbox sees)."""
+    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def bwrap_argv(limits: SandboxLimits, passwd_fd: int, group_fd: int) -> list[str]:
+    """The bubblewrap command line that starts the tool server in its namespaces."""
+    python = _python()
+    if python is None:
+        raise SandboxError("no python3 under /usr for the process sandbox")
+    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1", "--cap-drop", "ALL"]
+    argv += ["--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox"]
+    argv += ["--ro-bind", "/usr", "/usr"]
+    for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        path = "/" + top
+        if os.path.islink(path):
+            argv += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            argv += ["--ro-bind", path, path]
+    for path in ETC_FILES:
+        argv += ["--ro-bind-try", path, path]
+    argv += ["--ro-bind-data", str(passwd_fd), "/etc/passwd", "--ro-bind-data", str(group_fd), "/etc/group"]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(16 << 20), "--tmpfs", "/dev/shm"]
+    argv += ["--size", str(limits.work_mb << 20), "--tmpfs", WORKDIR]
+    argv += ["--size", str(limits.tmp_mb << 20), "--tmpfs", "/tmp"]
+    # bwrap's own root and /dev are unbounded tmpfs: read-only once set up (/work, /tmp, /dev/shm stay).
+    argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", WORKDIR, "--clearenv"]
+    for key, value in ENV.items():
+        argv += ["--setenv", key, value]
+    return [*argv, python, "-s", "-c", server_source()]
+
+
+def _data_fd(text: str) -> int:
+    """A pipe's read end holding `text` (bwrap's --ro-bind-data reads it)."""
+    r, w = os.pipe()
+    os.write(w, text.encode())
+    os.close(w)
+    return r
+
+
+@cache
+def bwrap_problem() -> str | None:
+    """None when bubblewrap works here, else why not (a reason to skip, not an error)."""
+    if shutil.which("bwrap") is None:
+        return "bubblewrap is not installed (apt-get install -y bubblewrap)"
+    try:
+        sandbox = ProcessSandbox.create(SandboxLimits(work_mb=1, tmp_mb=1))
+    except SandboxError as e:
+        return str(e)
+    sandbox.close_sync()
+    return None
+
+
+class ProcessSandbox(BaseSandbox):
+    """A bubblewrap sandbox running the tool server; see the module docstring for what it lacks."""
+
+    kind = "process"
+
+    def __init__(self, proc: subprocess.Popen[bytes], limits: SandboxLimits, stderr: Any) -> None:
+        super().__init__(limits)
+        self.proc = proc
+        self.id = f"bwrap-{proc.pid}"
+        self._stderr = stderr
+        assert proc.stdin is not None and proc.stdout is not None
+        self.server = ToolServerClient(PipeStream(proc.stdin, proc.stdout), self.id)
+
+    @classmethod
+    def create(cls, limits: SandboxLimits | None = None, *, pool: str = "") -> ProcessSandbox:
+        limits = limits or SandboxLimits()
+        if shutil.which("bwrap") is None:
+            raise SandboxError("bubblewrap (bwrap) is not installed")
+        passwd_fd = _data_fd(f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}:sandbox:{WORKDIR}:/bin/sh\n")
+        group_fd = _data_fd(f"sandbox:x:{SANDBOX_UID}:\n")
+        stderr = tempfile.TemporaryFile()  # noqa: SIM115 (lives as long as the sandbox)
+        as_nobody: dict[str, Any] = {}
+        if os.geteuid() == 0:  # never host root, not even inside a user namespace
+            as_nobody = {"user": NOBODY, "group": NOBODY, "extra_groups": []}
+        try:
+            proc = subprocess.Popen(
+                bwrap_argv(limits, passwd_fd, group_fd),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                pass_fds=(passwd_fd, group_fd),
+                cwd="/",
+                start_new_session=True,
+                **as_nobody,
+            )
+        except OSError as e:
+            raise SandboxError(f"cannot start bwrap: {e}") from e
+        finally:
+            os.close(passwd_fd)
+            os.close(group_fd)
+        sandbox = cls(proc, limits, stderr)
+        hello = {
+            "workdir": WORKDIR,
+            "sweep": True,
+            "wipe": [WORKDIR, "/tmp", "/dev/shm"],
+            "memory_mb": limits.call_memory_mb,
+            "file_limit": limits.file_mb << 20,
+            "nproc": PER_CALL_NPROC,
+            "env": {k: v for k, v in ENV.items() if k != "PYTHONHASHSEED"},
+        }
+        try:
+            reply = sandbox.server.request("hello", hello, START_TIMEOUT_S)
+            if not reply.get("ok"):
+                raise SandboxError(f"the tool server refused to start: {reply.get('error')}")
+        except (SandboxDied, SandboxError) as e:
+            stderr.seek(0)
+            detail = stderr.read().decode("utf-8", "replace").strip()[-500:]
+            sandbox.close_sync()
+            raise SandboxError(f"the process sandbox did not start: {e} {detail}".strip()) from e
+        sandbox.server_info = reply.get("data") or {}
+        return sandbox
+
+    def _request(self, op: str, args: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        return self.server.request(op, args, timeout_s)
+
+    def exec_sync(
+        self, cmd: str | Sequence[str], *, timeout_s: float | None = None, stdin: str = ""
+    ) -> ToolOutput:
+        """Runs through the tool server (a bwrap namespace cannot be entered afresh like a container)."""
+        command = cmd if isinstance(cmd, str) else " ".join(_quote(a) for a in cmd)
+        out = self.run_tool_sync("run_shell", {"command": command, "stdin": stdin}, timeout_s=timeout_s)
+        out.tool = "exec"
+        return out
+
+    def is_alive_sync(self) -> bool:
+        if self.closed or self.proc.poll() is not None or self.server.broken:
+            return False
+        return self.ping_sync()
+
+    def close_sync(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # bwrap and, through --die-with-parent, the rest
+        self.server.close()
+        deadline = time.monotonic() + 5.0
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        self._stderr.close()
+
+
+def _quote(arg: str) -> str:
+    import shlex
+
+    return shlex.quote(arg)

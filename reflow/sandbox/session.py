@@ -1,0 +1,98 @@
+"""One env's use of pooled sandboxes: a lease per episode, taken on the first call and handed back after.
+
+`SandboxSession` is what an env holds. Its first call in an episode acquires a sandbox from a pool;
+`end_episode()` (on reset, after grading, on close) releases it for reset; if the sandbox dies in the
+middle of an episode (an OOM kill of the tool server, the engine restarting) the session drops it, the
+call reports a tool error, and the next call gets a fresh sandbox. A session that is garbage-collected
+without `close()` still gives its sandbox back.
+
+`SandboxCodeRunner` adapts a session to the `reflow_tools.code_runner` interface PyCode uses.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from reflow.sandbox.base import BaseSandbox, SandboxError, ToolOutput
+from reflow.sandbox.pool import SandboxPool
+
+
+def _give_back(pool: SandboxPool, holder: list[BaseSandbox]) -> None:
+    while holder:
+        pool.release(holder.pop())
+
+
+class SandboxSession:
+    def __init__(self, pool: SandboxPool, *, episode_timeout_s: float | None = None) -> None:
+        self.pool = pool
+        self.episode_timeout_s = episode_timeout_s
+        self._holder: list[BaseSandbox] = []  # shared with the finalizer, which must not hold self
+        self._finalizer = weakref.finalize(self, _give_back, pool, self._holder)
+
+    @property
+    def current(self) -> BaseSandbox | None:
+        return self._holder[0] if self._holder else None
+
+    async def sandbox(self) -> BaseSandbox:
+        """The episode's sandbox, acquired on first use."""
+        if not self._holder:
+            self._holder.append(await self.pool.aacquire(episode_timeout_s=self.episode_timeout_s))
+        return self._holder[0]
+
+    async def run_tool(
+        self, name: str, args: dict[str, Any] | None = None, *, timeout_s: float | None = None
+    ) -> ToolOutput:
+        sandbox = await self.sandbox()
+        out = await sandbox.run_tool(name, args, timeout_s=timeout_s)
+        if not out.ok and not out.timed_out and not await sandbox.is_alive():
+            await self.end_episode(discard=True)
+            out.error = f"{out.error}; the sandbox was replaced, files written so far are gone"
+        return out
+
+    async def end_episode(self, *, discard: bool = False) -> None:
+        """Hand the sandbox back (it is reset before anyone else gets it)."""
+        while self._holder:
+            self.pool.release(self._holder.pop(), discard=discard)
+
+    async def close(self) -> None:
+        await self.end_episode()
+
+
+class SandboxCodeRunner:
+    """Runs Python for an env in pooled sandboxes of one kind (the `code_runner` interface)."""
+
+    def __init__(self, kind: str, pool: SandboxPool | None = None) -> None:
+        self.kind = kind
+        self._pool = pool
+        self.session: SandboxSession | None = None  # made on first use: no pool for an env never run
+
+    def _session(self) -> SandboxSession:
+        if self.session is None:
+            from reflow.sandbox.factory import shared_pool
+
+            self.session = SandboxSession(self._pool or shared_pool(self.kind))
+        return self.session
+
+    async def run_python(
+        self, code: str, *, stdin: str = "", timeout_s: float = 5.0, output_limit: int = 8192
+    ) -> Any:
+        from reflow_tools.code_runner import RunnerError
+        from reflow_tools.python_exec import ExecResult
+
+        args = {"code": code, "stdin": stdin, "output_limit": output_limit}
+        try:
+            out = await self._session().run_tool("run_python", args, timeout_s=timeout_s)
+        except SandboxError as e:
+            raise RunnerError(f"no sandbox available: {e}") from e
+        if not out.ok and not out.timed_out:
+            raise RunnerError(out.error or "the sandbox failed")
+        return ExecResult(out.stdout, out.stderr, out.exit_code, out.timed_out, out.truncated, out.latency_s)
+
+    async def end_episode(self) -> None:
+        if self.session is not None:
+            await self.session.end_episode()
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()

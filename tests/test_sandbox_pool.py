@@ -1,0 +1,191 @@
+"""The warm pool (reuse with a reset between episodes, replacement of dead sandboxes, the live cap, the
+start rate), sessions, and the reaper, including after `kill -9` of a process that owned a pool."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+from sandbox_helpers import BACKENDS, LIMITS, start
+
+from reflow.sandbox import PoolExhausted, SandboxPool, SandboxSession, make_sandbox, reap
+from reflow.sandbox.pool import TokenBucket
+from reflow.sandbox.reaper import POOL_LABEL, list_sandboxes, owner_status
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_pool(kind: str, **kwargs) -> SandboxPool:
+    """A pool whose containers carry a label of their own (so a test can count them on the engine)."""
+    name = f"tests-{secrets.token_hex(4)}"
+    return SandboxPool(lambda: make_sandbox(kind, LIMITS, pool=name), name=name, **kwargs)
+
+
+def test_token_bucket_allows_a_burst_then_refuses_within_a_short_deadline():
+    bucket = TokenBucket(rate=0.5, burst=2)
+    assert bucket.take() and bucket.take()
+    assert not bucket.take(deadline=time.monotonic() + 0.2)  # the next token is 2 s away
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_a_released_sandbox_is_reset_and_reused(kind):
+    pool = make_pool(kind, size=1, max_live=1)
+    try:
+        first = pool.acquire()
+        first.run_tool_sync("run_shell", {"command": "echo secret > /work/notes.txt; sleep 300 &"})
+        pool.release(first)
+        second = pool.acquire()
+        assert second is first and second.uses == 1
+        assert second.run_tool_sync("run_shell", {"command": "ls -A /work"}).stdout == ""
+        assert second.request("ping", {})["data"]["processes"] == 0  # the background sleep is gone
+        pool.release(second)
+        assert pool.wait_ready(1, timeout_s=30)
+        assert pool.stats.resets == 2 and pool.stats.created == 1 and pool.stats.failed_resets == 0
+    finally:
+        pool.close()
+    assert pool.snapshot()["live"] == 0
+
+
+@pytest.mark.docker
+def test_a_dead_sandbox_is_replaced_not_handed_out():
+    pool = make_pool("docker", size=1, max_live=2)
+    try:
+        sb = pool.acquire()
+        sb.container.kill()
+        pool.release(sb)  # the reset fails: it is removed and a fresh one started
+        again = pool.acquire()
+        assert again is not sb and again.is_alive_sync()
+        pool.release(again)
+        assert pool.stats.failed_resets == 1
+    finally:
+        pool.close()
+
+
+@pytest.mark.docker
+def test_the_live_cap_is_never_exceeded():
+    pool = make_pool("docker", size=2, max_live=2, create_rate=50, create_burst=4)
+    try:
+        a, b = pool.acquire(), pool.acquire()
+        with pytest.raises(PoolExhausted):
+            pool.acquire(timeout_s=0.5)
+        on_engine = [c.id for c in list_sandboxes(a.client) if c.labels.get(POOL_LABEL) == pool.name]
+        assert sorted(on_engine) == sorted([a.id, b.id])
+        waiter: list = []
+        thread = threading.Thread(target=lambda: waiter.append(pool.acquire(timeout_s=30)))
+        thread.start()
+        pool.release(a)  # the waiting acquire gets it once it is reset
+        thread.join(30)
+        assert waiter and waiter[0] is a
+        assert pool.snapshot()["live"] <= 2 and pool.stats.created == 2
+        assert len([c for c in list_sandboxes(a.client) if c.labels.get(POOL_LABEL) == pool.name]) == 2
+    finally:
+        pool.close()
+
+
+@pytest.mark.docker
+async def test_a_session_leases_per_episode_and_survives_a_dead_sandbox():
+    pool = make_pool("docker", size=1, max_live=3)
+    try:
+        session = SandboxSession(pool)
+        out = await session.run_tool("run_python", {"code": "print(1)"})
+        assert out.ok and session.current is not None
+        first = session.current
+        first.container.kill()
+        broken = await session.run_tool("run_python", {"code": "print(2)"})
+        assert not broken.ok and "replaced" in broken.error and session.current is None
+        fixed = await session.run_tool("run_python", {"code": "print(3)"})
+        assert fixed.stdout == "3\n" and session.current is not first
+        await session.end_episode()
+        assert session.current is None and pool.snapshot()["leased"] == 0
+        again = SandboxSession(pool)
+        await again.run_tool("run_shell", {"command": "true"})
+        del again  # garbage-collected without close(): the lease still goes back
+        assert pool.snapshot()["leased"] == 0
+    finally:
+        pool.close()
+
+
+@pytest.mark.docker
+def test_reap_leaves_live_owners_alone():
+    sb = start("docker")
+    try:
+        reaped = reap(sb.client)
+        assert sb.id not in {r.id for r in reaped} and sb.is_alive_sync()
+        mine = reap(sb.client, mine=True, dry_run=True)
+        assert sb.id in {r.id for r in mine} and {r.reason for r in mine} == {"mine"}
+        assert sb.is_alive_sync()  # a dry run removes nothing
+    finally:
+        sb.close_sync()
+
+
+OWNER = textwrap.dedent(
+    """
+    import sys, time
+    from reflow.sandbox import DockerSandbox, SandboxPool, SandboxLimits
+    limits = SandboxLimits(memory_mb=256, work_mb=8, tmp_mb=8)
+    pool = SandboxPool(lambda: DockerSandbox.create(limits=limits, pool="orphans"), size=3, max_live=4)
+    leased = pool.acquire()
+    pool.wait_ready(3, timeout_s=60)
+    ids = [leased.id] + [sb.id for sb in pool.idle]
+    print(" ".join(ids), flush=True)
+    time.sleep(600)
+    """
+)
+
+
+@pytest.mark.docker
+def test_after_kill_9_of_the_owner_the_reaper_removes_every_container_it_left():
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        ids = owner.stdout.readline().split()
+        assert len(ids) == 4, ids
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+    from reflow.sandbox.docker_sandbox import shared_client
+
+    client = shared_client()
+    left = [c for c in list_sandboxes(client) if c.id in ids]
+    assert len(left) == 4 and all(owner_status(c.labels) == "dead" for c in left)  # kill -9: no cleanup ran
+    out = subprocess.run(
+        [sys.executable, "-m", "reflow.cli", "sandbox", "reap"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr
+    assert not [c for c in list_sandboxes(client) if c.id in ids]
+    assert sum(line.startswith("removed") for line in out.stdout.splitlines()) >= 4
+
+
+@pytest.mark.bwrap
+def test_a_process_sandbox_dies_with_its_owner():
+    code = (
+        "from reflow.sandbox import ProcessSandbox\nimport time\nsb = ProcessSandbox.create()\n"
+        "print(sb.proc.pid, flush=True)\ntime.sleep(600)"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        bwrap_pid = int(owner.stdout.readline())
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+    assert wait_dead(bwrap_pid, 10.0), "bwrap outlived its owner"
+
+
+def wait_dead(pid: int, timeout_s: float) -> bool:
+    """True once `pid` is gone or a zombie (dead, waiting for its parent to reap it)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
