@@ -154,6 +154,84 @@ async def test_cache_growth_keeps_sequences_exact(tiny):
     assert joining.output_ids == await solo(tiny, joining_ids, greedy(20))
 
 
+async def test_next_turn_reuses_the_previous_turns_cache(tiny):
+    """Multi-turn: a prompt that extends a finished request's prompt + completion copies that prefix's
+    keys/values instead of recomputing them; outputs and logprobs are those of a full computation. A
+    continuation and a fresh prompt are prefilled together (suffix lengths differ)."""
+    _, model, tokenizer = tiny
+    eng = TorchEngine(model, tokenizer, max_batch_size=3)
+    sampled = SamplingParams(max_new_tokens=25, temperature=0.8, seed=5)
+    first_ids = prompt(40, seed=10)
+    try:
+        first = await eng.generate(first_ids, greedy(30))
+        turn2 = first_ids + first.output_ids + prompt(7, seed=11)
+        fresh = prompt(90, seed=12)
+        with eng._wake:  # hold the worker so that both requests join the same prefill batch
+            tasks = [asyncio.create_task(eng.generate(ids, sampled)) for ids in (turn2, fresh)]
+            await asyncio.sleep(0.01)
+        second, other = await asyncio.gather(*tasks)
+        health = await eng.health()
+        assert health["prefix_hits"] == 1
+        assert health["prefix_hit_tokens"] == len(first_ids) + len(first.output_ids) - 1
+        turn3 = turn2 + second.output_ids + prompt(3, seed=13)
+        third = await eng.generate(turn3, greedy(20))
+        assert (await eng.health())["prefix_hits"] == 2
+    finally:
+        await eng.close()
+    for ids, res, params in ((turn2, second, sampled), (fresh, other, sampled), (turn3, third, greedy(20))):
+        ref = reference_logprobs(model, ids, res.output_ids, params.temperature)
+        assert (ref - torch.tensor(res.logprobs)).abs().max().item() <= 1e-4
+        assert res.output_ids == await solo(tiny, ids, params)
+
+
+@pytest.mark.parametrize("rows", [8, 3])
+async def test_many_episodes_share_the_prefix_cache_correctly(tiny, rows):
+    """8 three-turn episodes: on 8 rows every later turn takes over its previous turn's row; on 3 rows
+    parked rows are also evicted by other episodes' turns. Every turn equals the same request on an
+    engine without prefix reuse."""
+    _, model, tokenizer = tiny
+    eng = TorchEngine(model, tokenizer, max_batch_size=rows)
+    plain = TorchEngine(model, tokenizer, max_batch_size=3, prefix_cache=False)
+
+    async def episode(seed: int) -> list[tuple[list[int], list[int]]]:
+        rng = random.Random(seed)
+        ids, turns = prompt(rng.randint(5, 60), seed=seed), []
+        for turn in range(3):
+            res = await eng.generate(ids, greedy(rng.randint(1, 30)))
+            turns.append((ids, res.output_ids))
+            ids = ids + res.output_ids + prompt(rng.randint(1, 10), seed=100 * seed + turn)
+        return turns
+
+    try:
+        episodes = await asyncio.gather(*(episode(s) for s in range(8)))
+        if rows == 8:
+            assert (await eng.health())["prefix_hits"] == 16
+        for turns in episodes:
+            for ids, out in turns:
+                assert (await plain.generate(ids, greedy(len(out)))).output_ids[: len(out)] == out
+    finally:
+        await eng.close()
+        await plain.close()
+
+
+async def test_weight_updates_drop_reusable_prefixes(tiny):
+    path, _, tokenizer = tiny
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    eng = TorchEngine(model, tokenizer)
+    ids = prompt(30, seed=14)
+    try:
+        first = await eng.generate(ids, greedy(10))
+        new = {k: v * 1.1 for k, v in model.state_dict().items()}
+        await eng.update_weights(state_dict=new)
+        turn2 = ids + first.output_ids + [5, 6]
+        res = await eng.generate(turn2, greedy(10))
+        assert (await eng.health())["prefix_hits"] == 0  # the parked keys/values were stale
+    finally:
+        await eng.close()
+    ref = reference_logprobs(model, turn2, res.output_ids, 0.0)
+    assert (ref - torch.tensor(res.logprobs)).abs().max().item() <= 1e-4
+
+
 async def test_finish_reasons(engine):
     ids = prompt(12, seed=5)
     free = await engine.generate(ids, greedy(40))
