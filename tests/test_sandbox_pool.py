@@ -189,3 +189,28 @@ def wait_dead(pid: int, timeout_s: float) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+@pytest.mark.bwrap
+def test_a_forked_child_gets_its_own_shared_pool():
+    from reflow.sandbox import shared_pool
+
+    parent = shared_pool("process")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a pool of its own, whose sandboxes answer
+        try:
+            pool = shared_pool("process")
+            sb = pool.acquire(timeout_s=30)
+            out = sb.run_tool_sync("run_python", {"code": "print('child')"})
+            os.write(
+                write, f"{pool is not parent} {pool.owner_pid == os.getpid()} {out.stdout.strip()}".encode()
+            )
+            pool.close()
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read) as f:
+        assert f.read() == "True True child"
+    assert parent.owner_pid == os.getpid() and not parent.closed

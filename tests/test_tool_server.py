@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
-from reflow.sandbox.channel import PipeStream, ToolServerClient, server_source
+from reflow.sandbox.channel import PipeStream, ToolServerClient, server_program
 
 
 @pytest.fixture
 def server(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-s", "-c", server_source()],
+        [sys.executable, "-s", "-c", server_program()],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         cwd=tmp_path,
@@ -122,7 +122,7 @@ def test_bad_requests_are_answered_not_fatal(server):
 
 def test_a_malformed_line_gets_an_error_reply(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-s", "-c", server_source()], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        [sys.executable, "-s", "-c", server_program()], stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
     out, _ = proc.communicate(
         b"this is not json\n" + json.dumps({"id": 1, "op": "shutdown"}).encode() + b"\n", timeout=30

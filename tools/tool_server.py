@@ -9,58 +9,34 @@ Requests: {"id": n, "op": NAME, "args": {...}}. The first must be `hello` (its a
 server: work dir, whether to sweep, what to wipe on reset). Ops: hello, ping, run_python, run_shell,
 read_file, write_file, list_dir, reset, shutdown. Every reply has id, ok, stdout, stderr, exit_code,
 timed_out, truncated, latency_s, error (a message for the model when ok is false) and data.
+How a call's process runs, is limited and is cleaned up after: tool_procs.py.
 
-`run_python` forks this interpreter (no interpreter start-up per call) and runs the code as `__main__`
-of a fresh module, named main.py in tracebacks; `run_shell` forks and execs /bin/sh -c. Each call runs
-in its own session with rlimits (address space, CPU seconds, file size, no core dumps), a wall-clock
-timeout and a cap on the bytes kept from stdout and stderr (the rest is read and dropped, so a flood
-never blocks). After every call, "sweep" kills every other process in the sandbox (`kill(-1, SIGKILL)`
-until none is left), so nothing a call starts outlives it, forked-off daemons included.
-
-Standard library only; runs on the image's Python 3 (3.8 or newer). The file is sent to the sandbox as
-the program text of `python3 -c`, so the image never needs rebuilding when it changes.
+Standard library only; runs on the image's Python 3 (3.8 or newer). The host sends this module and
+tool_procs.py as the program text of `python3 -c` (see `reflow.sandbox.channel.server_program`), so
+the image never needs rebuilding when they change.
 """
 
 from __future__ import annotations
 
 import base64
-import contextlib
 import errno
-import io
 import json
 import os
-import resource
-import selectors
 import signal
 import stat
 import sys
 import time
-import traceback
-import types
+
+from reflow_tools.tool_procs import (
+    MAX_OUTPUT_LIMIT,
+    PR_SET_CHILD_SUBREAPER,
+    PR_SET_DUMPABLE,
+    Calls,
+    prctl,
+)
 
 PROTOCOL = 1
-KILL_GRACE_S = 0.5
-MAX_OUTPUT_LIMIT = 32 * 1024 * 1024
 MAX_LIST_ENTRIES = 2000
-PR_SET_DUMPABLE = 4
-PR_SET_CHILD_SUBREAPER = 36
-
-
-def _prctl(option: int, value: int) -> bool:
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(option, value, 0, 0, 0) == 0
-    except Exception:
-        return False
-
-
-def _exit_code(status: int) -> int:
-    """A wait status as an exit code; -N when killed by signal N."""
-    if os.WIFSIGNALED(status):
-        return -os.WTERMSIG(status)
-    return os.WEXITSTATUS(status)
 
 
 class Config:
@@ -90,16 +66,11 @@ class ToolServer:
     def __init__(self, infd: int = 0, outfd: int = 1) -> None:
         self.infd, self.outfd = infd, outfd
         self.config = Config({})
+        self.calls = Calls(self.config)
         self.boot = os.urandom(8).hex()  # tells a restarted server from the one that was there
-        self.exited: dict = {}  # pid -> wait status of children reaped by a sweep
-        self.wake_r, self.wake_w = os.pipe()
-        for fd in (self.wake_r, self.wake_w):
-            os.set_blocking(fd, False)
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # as init, a signal without a handler is dropped
-        signal.signal(signal.SIGCHLD, lambda *_: None)
-        signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
-        _prctl(PR_SET_DUMPABLE, 0)  # /proc/<pid>/fd and ptrace closed to the code we run
-        _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of a call come back to us (when we are not init)
+        prctl(PR_SET_DUMPABLE, 0)  # /proc/<pid>/fd and ptrace closed to the code we run
+        prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of a call come back to us (when we are not init)
 
     # ---- the loop -------------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -142,246 +113,35 @@ class ToolServer:
             except InterruptedError:
                 continue
 
-    # ---- processes ------------------------------------------------------------------------------------
-    def _reap(self) -> None:
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            self.exited[pid] = status
-
-    def _others(self) -> list:
-        me, found = os.getpid(), []
-        try:
-            names = os.listdir("/proc")
-        except OSError:
-            return found
-        for name in names:
-            if not name.isdigit() or int(name) in (1, me):
-                continue
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    if f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X"):
-                        continue
-            except (OSError, IndexError):
-                continue
-            found.append(int(name))
-        return found
-
-    def sweep(self) -> bool:
-        """Kill every process in the sandbox but init and this server; True when none is left."""
-        if not self.config.sweep:
-            return True
-        for attempt in range(400):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(-1, signal.SIGKILL)
-            self._reap()
-            if not self._others():
-                return True
-            time.sleep(min(0.001 * attempt, 0.02))
-        return False
-
-    def _child_limits(self, timeout_s: float, memory_mb: int) -> None:
-        cpu = int(timeout_s) + 2  # CPU seconds only back up the wall-clock kill
-        limits = [
-            (resource.RLIMIT_CPU, (cpu, cpu + 1)),
-            (resource.RLIMIT_FSIZE, (self.config.file_limit, self.config.file_limit)),
-            (resource.RLIMIT_CORE, (0, 0)),
-        ]
-        if memory_mb:
-            limits.append((resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20)))
-        if self.config.nproc:
-            limits.append((resource.RLIMIT_NPROC, (self.config.nproc, self.config.nproc)))
-        for which, value in limits:
-            with contextlib.suppress(ValueError, OSError):
-                resource.setrlimit(which, value)
-        try:  # the OOM killer takes the call's processes before the server
-            with open("/proc/self/oom_score_adj", "w") as f:
-                f.write("1000")
-        except OSError:
-            pass
-
-    def spawn(self, body, stdin: str, timeout_s: float, output_limit: int, memory_mb: int, cwd: str | None):
-        """Fork, run `body()` in the child (it must not return), and collect what it writes."""
-        start = time.monotonic()
-        timeout_s = max(0.01, float(timeout_s))
-        output_limit = max(0, min(int(output_limit), MAX_OUTPUT_LIMIT))
-        workdir = os.path.join(self.config.workdir, cwd) if cwd else self.config.workdir
-        if not os.path.isdir(workdir):
-            return {"ok": False, "error": f"no such directory: {workdir}"}
-        in_r, in_w = os.pipe()
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        self._reap()
-        pid = os.fork()
-        if pid == 0:  # the child
-            try:
-                signal.set_wakeup_fd(-1)
-                for sig in (signal.SIGCHLD, signal.SIGINT):
-                    signal.signal(sig, signal.SIG_DFL)
-                os.setsid()
-                for fd, target in ((in_r, 0), (out_w, 1), (err_w, 2)):
-                    os.dup2(fd, target)
-                os.closerange(3, 65536)
-                os.chdir(workdir)
-                os.environ.clear()
-                os.environ.update(self.config.env)
-                self._child_limits(timeout_s, memory_mb)
-                body()
-            except BaseException:
-                try:
-                    os.write(2, traceback.format_exc().encode())
-                finally:
-                    os._exit(127)
-            os._exit(127)
-        for fd in (in_r, out_w, err_w):
-            os.close(fd)
-        data = stdin.encode() if stdin else b""
-        if not data:
-            os.close(in_w)
-        buffers = {out_r: bytearray(), err_r: bytearray()}
-        truncated = False
-        sel = selectors.DefaultSelector()
-        for fd in (out_r, err_r, self.wake_r):
-            os.set_blocking(fd, False)
-            sel.register(fd, selectors.EVENT_READ)
-        if data:
-            os.set_blocking(in_w, False)
-            sel.register(in_w, selectors.EVENT_WRITE)
-        status, timed_out = None, False
-        deadline = start + timeout_s
-
-        def read(fd: int) -> bool:
-            nonlocal truncated
-            try:
-                chunk = os.read(fd, 1 << 16)
-            except BlockingIOError:
-                return True
-            if not chunk:
-                sel.unregister(fd)
-                return False
-            buf = buffers[fd]
-            room = output_limit - len(buf)
-            if room > 0:
-                buf += chunk[:room]
-            if len(chunk) > max(room, 0):
-                truncated = True
-            return True
-
-        open_pipes = {out_r, err_r}
-        try:
-            while True:
-                if status is None:
-                    if pid in self.exited:
-                        status = self.exited.pop(pid)
-                    else:
-                        try:
-                            done, st = os.waitpid(pid, os.WNOHANG)
-                        except ChildProcessError:
-                            done, st = pid, 0
-                        if done:
-                            status = st
-                if status is not None:
-                    break  # the call's own process ended: whatever it left running is killed below
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    timed_out = True
-                    break
-                for key, _ in sel.select(remaining):
-                    fd = key.fd
-                    if fd == self.wake_r:
-                        try:
-                            while os.read(fd, 512):
-                                pass
-                        except BlockingIOError:
-                            pass
-                    elif fd == in_w:
-                        try:
-                            data = data[os.write(fd, data[: 1 << 16]) :]
-                        except BrokenPipeError:
-                            data = b""
-                        if not data:
-                            sel.unregister(fd)
-                            os.close(fd)
-                            in_w = -1
-                    elif fd in open_pipes and not read(fd):
-                        open_pipes.discard(fd)
-        finally:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-            swept = self.sweep()
-            # Output still in the pipes arrives; nobody is left to hold them open (after a sweep).
-            end = time.monotonic() + KILL_GRACE_S
-            while open_pipes and time.monotonic() < end:
-                for key, _ in sel.select(max(0.0, end - time.monotonic())):
-                    if key.fd in open_pipes and not read(key.fd):
-                        open_pipes.discard(key.fd)
-            if status is None:
-                if pid in self.exited:
-                    status = self.exited.pop(pid)
-                else:
-                    try:
-                        status = os.waitpid(pid, 0)[1]
-                    except ChildProcessError:
-                        status = None
-            sel.close()
-            for fd in (out_r, err_r, in_w):
-                if fd >= 0:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
-        reply = {
-            "stdout": buffers[out_r].decode("utf-8", errors="replace"),
-            "stderr": buffers[err_r].decode("utf-8", errors="replace"),
-            "exit_code": None if status is None else _exit_code(status),
-            "timed_out": timed_out,
-            "truncated": truncated,
-        }
-        if timed_out:
-            reply["ok"] = False
-            reply["error"] = (
-                f"timed out after {timeout_s:g}s; the process and everything it started were killed"
-            )
-        if not swept:
-            reply["ok"] = False
-            reply["error"] = "processes started by the call could not all be killed"
-        return reply
-
     # ---- tools ----------------------------------------------------------------------------------------
     def op_hello(self, **config) -> dict:
-        self.config = Config(config)
-        self.sweep()
+        self.config = self.calls.config = Config(config)
+        self.calls.sweep()
         data = {"pid": os.getpid(), "boot": self.boot, "python": sys.version.split()[0], "protocol": PROTOCOL}
         return {"data": data}
 
     def op_ping(self) -> dict:
-        return {"data": {"pid": os.getpid(), "boot": self.boot, "processes": len(self._others())}}
+        return {"data": {"pid": os.getpid(), "boot": self.boot, "processes": len(self.calls.others())}}
 
     def op_run_python(
         self, code: str, stdin: str = "", timeout_s: float = 5.0, output_limit: int = 8192,
         memory_mb: int | None = None, cwd: str | None = None,
     ) -> dict:  # fmt: skip
-        def body() -> None:
-            _run_main(code)
+        def launch(fds: tuple, workdir: str, limits: list) -> int:
+            return self.calls.fork_python(code, fds, workdir, limits)
 
         memory = self.config.memory_mb if memory_mb is None else memory_mb
-        return self.spawn(body, stdin, timeout_s, output_limit, memory, cwd)
+        return self.calls.run(launch, stdin, timeout_s, output_limit, memory, cwd)
 
     def op_run_shell(
         self, command: str, stdin: str = "", timeout_s: float = 5.0, output_limit: int = 8192,
         memory_mb: int | None = None, cwd: str | None = None,
     ) -> dict:  # fmt: skip
-        env = self.config.env
-
-        def body() -> None:
-            for sig in ("SIGPIPE", "SIGXFSZ"):
-                signal.signal(getattr(signal, sig), signal.SIG_DFL)
-            os.execve("/bin/sh", ["sh", "-c", command], env)
+        def launch(fds: tuple, workdir: str, limits: list) -> int:
+            return self.calls.spawn("/bin/sh", ["sh", "-c", command], fds, workdir, limits)
 
         memory = self.config.memory_mb if memory_mb is None else memory_mb
-        return self.spawn(body, stdin, timeout_s, output_limit, memory, cwd)
+        return self.calls.run(launch, stdin, timeout_s, output_limit, memory, cwd)
 
     def _path(self, path: str) -> str:
         return os.path.normpath(os.path.join(self.config.workdir, path))
@@ -472,7 +232,7 @@ class ToolServer:
 
     def op_reset(self) -> dict:
         """Kill every process, empty the writable directories: the sandbox as it started."""
-        swept = self.sweep()
+        swept = self.calls.sweep()
         problems = []
         for top in self.config.wipe:
             for name in os.listdir(top) if os.path.isdir(top) else []:
@@ -482,10 +242,10 @@ class ToolServer:
         os.chdir(self.config.workdir)
         if problems:
             return {"ok": False, "error": "reset incomplete: " + "; ".join(problems[:5])}
-        return {"data": {"processes": len(self._others())}}
+        return {"data": {"processes": len(self.calls.others())}}
 
     def op_shutdown(self) -> dict:
-        self.sweep()
+        self.calls.sweep()
         return {}
 
 
@@ -514,62 +274,6 @@ def _remove(path: str) -> list:
     except OSError as e:
         return [f"{path}: {e.strerror}"]
     return []
-
-
-def _run_main(code: str) -> None:
-    """In a forked child: run `code` like `python3 main.py` would, then exit with its status."""
-    import builtins
-    import linecache
-
-    stdin = open(0, "rb", closefd=False)  # noqa: SIM115 (the program's stdin for its whole life)
-    sys.stdin = sys.__stdin__ = io.TextIOWrapper(stdin, encoding="utf-8")
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(
-        io.FileIO(1, "w", closefd=False), encoding="utf-8", write_through=True
-    )
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
-        io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", write_through=True
-    )
-    sys.argv = ["main.py"]
-    main = types.ModuleType("__main__")
-    main.__file__ = "main.py"
-    main.__builtins__ = builtins
-    sys.modules["__main__"] = main
-    linecache.cache["main.py"] = (len(code), None, code.splitlines(True), "main.py")
-    status = 0
-    try:
-        exec(compile(code, "main.py", "exec", dont_inherit=True), main.__dict__)
-    except SystemExit as e:
-        status = _system_exit_status(e)
-    except BaseException as e:
-        tb = e.__traceback__.tb_next if e.__traceback__ is not None else None
-        with contextlib.suppress(BaseException):
-            traceback.print_exception(type(e), e, tb)
-        status = 1
-    try:
-        threading = sys.modules.get("threading")
-        if threading is not None:
-            threading._shutdown()  # type: ignore[attr-defined]
-        import atexit
-
-        atexit._run_exitfuncs()
-    except SystemExit as e:
-        status = _system_exit_status(e)
-    except BaseException:
-        pass
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(BaseException):
-            stream.flush()
-    os._exit(status & 0xFF)
-
-
-def _system_exit_status(e: SystemExit) -> int:
-    if e.code is None:
-        return 0
-    if isinstance(e.code, int):
-        return e.code
-    with contextlib.suppress(BaseException):
-        print(e.code, file=sys.stderr)
-    return 1
 
 
 def main() -> None:

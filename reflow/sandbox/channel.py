@@ -24,10 +24,31 @@ from reflow.sandbox.base import SandboxDied
 STDERR_KEEP = 4096
 
 
+SERVER_MODULES = ("tool_procs", "tool_server")  # in import order
+BOOTSTRAP = """\
+import sys, types
+package = types.ModuleType("reflow_tools")
+package.__path__ = []
+sys.modules["reflow_tools"] = package
+for name, source in MODULES:
+    module = types.ModuleType("reflow_tools." + name)
+    module.__file__ = name + ".py"
+    sys.modules[module.__name__] = module
+    exec(compile(source, module.__file__, "exec"), module.__dict__)
+sys.modules["reflow_tools.tool_server"].main()
+"""
+
+
 @cache
-def server_source() -> str:
-    """The tool server's program text (tools/tool_server.py), sent to the sandbox at start."""
-    return resources.files("reflow_tools").joinpath("tool_server.py").read_text(encoding="utf-8")
+def server_program() -> str:
+    """The `python3 -c` program that runs the tool server: its modules from `reflow_tools`, inlined.
+
+    The sandbox needs nothing but Python 3; the server's code travels with each start."""
+    package = resources.files("reflow_tools")
+    modules = tuple(
+        (name, package.joinpath(name + ".py").read_text(encoding="utf-8")) for name in SERVER_MODULES
+    )
+    return f"MODULES = {modules!r}\n{BOOTSTRAP}"
 
 
 class Transport(Protocol):

@@ -13,12 +13,13 @@ against and for commands that must not go through the tool server.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from reflow.sandbox.base import BaseSandbox, SandboxDied, SandboxError, SandboxLimits, ToolOutput
-from reflow.sandbox.channel import DockerStream, ToolServerClient, server_source
+from reflow.sandbox.channel import DockerStream, ToolServerClient, server_program
 from reflow.sandbox.images import DEFAULT_IMAGE, SANDBOX_UID, docker_client
 from reflow.sandbox.reaper import owner_labels
 
@@ -33,12 +34,14 @@ SERVER_ENV = {
 START_TIMEOUT_S = 30.0
 
 _client: Any = None
+_client_pid = 0
 
 
 def shared_client() -> Any:
     """One Docker SDK client per process (its connection pool serves every sandbox)."""
-    global _client
-    if _client is None:
+    global _client, _client_pid
+    if _client is None or _client_pid != os.getpid():  # a forked child must not share the sockets
+        _client, _client_pid = None, os.getpid()
         from reflow.sandbox.images import BuildError
 
         try:
@@ -55,7 +58,7 @@ def container_config(image: str, limits: SandboxLimits, labels: dict[str, str]) 
     uid = SANDBOX_UID
     return {
         "image": image,
-        "command": ["python3", "-s", "-c", server_source()],
+        "command": ["python3", "-s", "-c", server_program()],
         "stdin_open": True,
         "tty": False,
         "user": f"{uid}:{uid}",

@@ -112,7 +112,8 @@ def shared_pool(
     key = (kind, limits, image if kind == "docker" else None, size, max_live, create_rate)
     with _pools_lock:
         pool = _pools.get(key)
-        if pool is None or pool.closed:
+        # A forked child inherits the parent's pools (their threads gone, their sandboxes the parent's).
+        if pool is None or pool.closed or pool.owner_pid != os.getpid():
             name = f"{kind}-{len(_pools)}"
 
             def factory() -> BaseSandbox:

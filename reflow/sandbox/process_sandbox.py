@@ -28,7 +28,7 @@ from functools import cache
 from typing import Any
 
 from reflow.sandbox.base import BaseSandbox, SandboxDied, SandboxError, SandboxLimits, ToolOutput
-from reflow.sandbox.channel import PipeStream, ToolServerClient, server_source
+from reflow.sandbox.channel import PipeStream, ToolServerClient, server_program
 
 WORKDIR = "/work"
 SANDBOX_UID = 10001
@@ -83,7 +83,7 @@ def bwrap_argv(limits: SandboxLimits, passwd_fd: int, group_fd: int) -> list[str
     argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", WORKDIR, "--clearenv"]
     for key, value in ENV.items():
         argv += ["--setenv", key, value]
-    return [*argv, python, "-s", "-c", server_source()]
+    return [*argv, python, "-s", "-c", server_program()]
 
 
 def _data_fd(text: str) -> int:
