@@ -1,4 +1,4 @@
-"""The `reflow` command line: `reflow envs list | check | play`."""
+"""The `reflow` command line: `reflow envs list | check | play`, `reflow rollout`, `reflow warmstart`."""
 
 from __future__ import annotations
 
@@ -179,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="append every episode record to this JSONL file")
     p.add_argument("--json", action="store_true", help="also print the summaries as one JSON line")
     p.set_defaults(fn=cmd_envs_play)
+
+    from reflow.recipes import rollout, warmstart
+
+    rollout.add_parser(sub)
+    warmstart.add_parser(sub)
 
     from reflow.sandbox.cli import add_sandbox_commands  # `reflow sandbox ...` (issue F2)
 
