@@ -179,7 +179,9 @@ def test_rerendered_history_extends_the_sampled_tokens(tok):
     """For every assistant turn k: tokens(render(msgs[:k], add_generation_prompt)) + tokens(completion)
     + <|im_end|> is a token prefix of tokens(render(msgs[:k+1])), and every later prompt extends it.
     The completion is the model's raw text when it wrote calls the canonical way; the "\\n" after
-    <|im_end|> is template text, not sampled, and belongs to the next observation's token delta."""
+    <|im_end|> is template text, not sampled, and belongs to the next observation's token delta.
+    Because <|im_end|> is a special token, the text after it tokenizes on its own: rollout can encode
+    just the new part of a re-render and append it to the ids it holds (sampled ids included)."""
     msgs = conversation()
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
     im_end = tok.convert_tokens_to_ids(IM_END)
@@ -191,9 +193,23 @@ def test_rerendered_history_extends_the_sampled_tokens(tok):
         assert after == prompt + completion_text + "<|im_end|>\n"
         sampled = enc(prompt) + enc(completion_text) + [im_end]
         assert enc(after)[: len(sampled)] == sampled
+        head = prompt + completion_text + "<|im_end|>"
         for j in range(k + 1, len(msgs) + 1):  # every later prompt the rollout will send
-            later = enc(render(tok, msgs[:j], add_generation_prompt=j < len(msgs)))
+            text = render(tok, msgs[:j], add_generation_prompt=j < len(msgs))
+            later = enc(text)
             assert later[: len(sampled)] == sampled, (k, j)
+            assert text.startswith(head) and later == sampled + enc(text[len(head) :]), (k, j)
+
+
+def test_raw_completions_render_verbatim(tok):
+    """Rollout renders an assistant turn from the exact text sampled; the template must not re-format
+    it (Qwen3's would rewrite the think block's whitespace), so any raw text keeps the prefix property."""
+    raw = '<think>x\n</think>y <tool_call>\n{"name":"f", "arguments" : {}}</tool_call>  '
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": raw}]
+    prompt = render(tok, msgs[:1], add_generation_prompt=True)
+    assert render(tok, msgs) == prompt + raw + "<|im_end|>\n"
+    later = render(tok, [*msgs, {"role": "user", "content": "q2"}], drop_past_reasoning=True)
+    assert "<think>" not in later and "y <tool_call>" in later  # Qwen3's rule still available
 
 
 def test_dropping_past_reasoning_breaks_the_prefix_property(tok):

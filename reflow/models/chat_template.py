@@ -10,12 +10,17 @@ reads what it writes:
     <|im_start|>user\\n<tool_response>\\n{result}\\n</tool_response>\\n<tool_response>...<|im_end|>\\n
     <|im_start|>assistant\\n                        (add_generation_prompt)
 
-One deliberate difference from Qwen3: assistant reasoning is kept in every past turn, so that a
-conversation re-rendered after each turn is a prefix extension of what was sampled (token-in-token-out
-needs that). Pass `drop_past_reasoning=True` to `apply_chat_template` for Qwen3's own behaviour
-(reasoning of assistant turns before the last real user query is dropped); that breaks the prefix
-property across user turns, exactly as the real Qwen3 template does. `enable_thinking=False` appends an
-empty think block to the generation prompt, as Qwen3 does.
+Deliberate differences from Qwen3, so that a conversation re-rendered after each turn extends what was
+sampled (token-in-token-out needs that):
+- assistant reasoning is kept in every past turn;
+- an assistant message's `content` is written verbatim: a raw completion with its own `<think>...</think>`
+  and `<tool_call>` text renders exactly as sampled (Qwen3 re-formats the think block);
+  `reasoning_content` and `tool_calls`, when given, render in the canonical Qwen layout.
+Pass `drop_past_reasoning=True` to `apply_chat_template` for Qwen3's own behaviour (reasoning of
+assistant turns before the last real user query is dropped, from `reasoning_content` or from the
+content's think block); that breaks the prefix property across user turns, exactly as the real Qwen3
+template does. `enable_thinking=False` appends an empty think block to the generation prompt, as Qwen3
+does.
 """
 
 from __future__ import annotations
@@ -75,13 +80,13 @@ within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-
         {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
     {%- elif message.role == 'assistant' %}
         {%- set reasoning = '' %}
+        {%- set drop = drop_past_reasoning and loop.index0 < ns.last_query_index %}
         {%- if message.reasoning_content is string %}
             {%- set reasoning = message.reasoning_content %}
-        {%- elif '</think>' in content %}
-            {%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+        {%- elif drop and '</think>' in content %}
             {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
         {%- endif %}
-        {%- if reasoning and not (drop_past_reasoning and loop.index0 < ns.last_query_index) %}
+        {%- if reasoning and not drop %}
             {{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
         {%- else %}
             {{- '<|im_start|>assistant\\n' + content }}

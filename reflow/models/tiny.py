@@ -31,7 +31,7 @@ from reflow.models.chat_template import (
 from reflow.models.corpus import generic_corpus
 
 # Bump when the builder's output changes, so cached preset folders are rebuilt.
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
 
 # Qwen2/Qwen3's pre-tokenization pattern (as in their tokenizer.json).
 PRETOKENIZE_PATTERN = (
