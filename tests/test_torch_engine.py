@@ -214,6 +214,31 @@ async def test_many_episodes_share_the_prefix_cache_correctly(tiny, rows):
         await plain.close()
 
 
+async def test_identical_prompts_are_prefilled_once(tiny):
+    """A GRPO group's first turn: G copies of one prompt in the same prefill batch share one computation;
+    each still samples on its own (seeds) and gets exact logprobs."""
+    _, model, tokenizer = tiny
+    eng = TorchEngine(model, tokenizer, max_batch_size=8)
+    ids, other = prompt(50, seed=15), prompt(20, seed=16)
+    params = [SamplingParams(max_new_tokens=15, temperature=1.0, seed=s) for s in range(4)]
+    try:
+        with eng._wake:  # one admission batch
+            tasks = [asyncio.create_task(eng.generate(ids, p)) for p in params]
+            tasks.append(asyncio.create_task(eng.generate(other, greedy(15))))
+            await asyncio.sleep(0.01)
+        *group, alone = await asyncio.gather(*tasks)
+        health = await eng.health()
+    finally:
+        await eng.close()
+    assert health["prefix_hit_tokens"] == 3 * len(ids) and health["prefill_tokens"] == len(ids) + len(other)
+    assert len({tuple(r.output_ids) for r in group}) > 1  # different seeds, different samples
+    for res, p in zip(group, params, strict=True):
+        ref = reference_logprobs(model, ids, res.output_ids, 1.0)
+        assert (ref - torch.tensor(res.logprobs)).abs().max().item() <= 1e-4
+        assert res.output_ids == await solo(tiny, ids, p)
+    assert alone.output_ids == await solo(tiny, other, greedy(15))
+
+
 async def test_weight_updates_drop_reusable_prefixes(tiny):
     path, _, tokenizer = tiny
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()

@@ -183,6 +183,18 @@ class SlotKVCache:
         self.live.add(dst)
         self.n_rows = max(self.live) + 1
 
+    def clone_block(self, src: int, dst: int, n: int) -> None:
+        """Give row `dst` a copy of the `n`-token block that row `src` just prefilled (same prompt)."""
+        end = self.end
+        for buf in (*self.keys, *self.values):
+            buf[dst, :, end - n : end] = buf[src, :, end - n : end]
+        self.parked.pop(dst, None)
+        self.mask[dst] = False
+        self.mask[dst, end - n : end] = True
+        self.start[dst] = end - n
+        self.live.add(dst)
+        self.n_rows = max(self.live) + 1
+
     def swap_rows(self, a: int, b: int) -> None:
         """Exchange two rows (e.g. a live one and a parked one, so that parked rows sit above the live
         ones and cost no decode work, yet keep their keys/values)."""

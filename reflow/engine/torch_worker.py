@@ -29,7 +29,7 @@ from reflow.engine.weights import copy_weights
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: queues find and remove this very request
 class Request:
     """One generate call, from submission to result (owned by the worker once posted)."""
 
@@ -164,21 +164,33 @@ class DecodeLoop:
             req.row = row
             self._running[row] = req
         self._params = None
-        lengths = [len(r.input_ids) for r in batch]
-        mask = cache.begin_prefill(rows, lengths, reuse)
-        todo = [n - p for n, (_, p) in zip(lengths, reuse, strict=True)]
+        # Identical prompts (a GRPO group's first turn) are computed once and copied to the others.
+        first: dict[tuple[int, ...], int] = {}
+        leader = [first.setdefault(tuple(r.input_ids), i) for i, r in enumerate(batch)]
+        lead = [i for i in range(len(batch)) if leader[i] == i]
+        lengths = [len(batch[i].input_ids) for i in lead]
+        todo = [n - reuse[i][1] for n, i in zip(lengths, lead, strict=True)]
+        mask = cache.begin_prefill([rows[i] for i in lead], lengths, [reuse[i] for i in lead])
         suffix = max(todo)
-        ids = torch.full((len(batch), suffix), self._pad_id, dtype=torch.long)
-        positions = torch.zeros((len(batch), suffix), dtype=torch.long)
-        for i, (req, (_, p)) in enumerate(zip(batch, reuse, strict=True)):
-            ids[i, suffix - todo[i] :] = torch.tensor(req.input_ids[p:])
-            positions[i, suffix - todo[i] :] = torch.arange(p, lengths[i])
+        ids = torch.full((len(lead), suffix), self._pad_id, dtype=torch.long)
+        positions = torch.zeros((len(lead), suffix), dtype=torch.long)
+        for j, i in enumerate(lead):
+            p = reuse[i][1]
+            ids[j, suffix - todo[j] :] = torch.tensor(batch[i].input_ids[p:])
+            positions[j, suffix - todo[j] :] = torch.arange(p, lengths[j])
         logits = self._forward(ids, positions, mask)
+        copies = [i for i in range(len(batch)) if leader[i] != i]
+        for i in copies:
+            cache.clone_block(rows[leader[i]], rows[i], len(batch[i].input_ids))
+        if copies:
+            logits = logits[torch.tensor([lead.index(leader[i]) for i in range(len(batch))])]
         tokens, logprobs = sample(logits, self._build_params(batch))
         self._stats["prefills"] += 1
         self._stats["prefill_tokens"] += sum(todo)
-        self._stats["prefix_hits"] += sum(1 for _, p in reuse if p)
-        self._stats["prefix_hit_tokens"] += sum(p for _, p in reuse)
+        self._stats["prefix_hits"] += sum(1 for _, p in reuse if p) + len(copies)
+        self._stats["prefix_hit_tokens"] += sum(reuse[i][1] for i in lead) + sum(
+            len(batch[i].input_ids) for i in copies
+        )
         self._stats["prefill_s"] += time.perf_counter() - started
         for req, tok, lp in zip(batch, tokens.tolist(), logprobs.tolist(), strict=True):
             self._accept(req, tok, lp)
