@@ -25,6 +25,8 @@ class BatchParams:
     top_k: torch.Tensor | None  # [n] (0 -> vocab size) or None
     generators: list[torch.Generator | None]
     all_greedy: bool
+    any_greedy: bool
+    unit_temperature: bool  # every row at T = 1 (or greedy): no scaling needed
     any_seeded: bool
 
     @classmethod
@@ -48,6 +50,8 @@ class BatchParams:
             else None,
             generators=generators,
             all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            unit_temperature=all(t in (0, 1) for t in temperatures),
             any_seeded=any(g is not None for g in generators),
         )
 
@@ -67,15 +71,17 @@ def filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
 def sample(logits: torch.Tensor, params: BatchParams) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of `logits` [n, V]; returns (tokens [n], logprobs [n]) in float32."""
     logits = logits.float()
-    scaled = logits / params.temperature[:, None]
+    # Every op here runs once per decode step on the whole batch; the shortcuts skip work a batch
+    # does not need (scaling at T = 1, a second softmax without filters, greedy handling).
+    scaled = logits if params.unit_temperature else logits / params.temperature[:, None]
     logp = torch.log_softmax(scaled, dim=-1)
     if params.all_greedy:
         tokens = logits.argmax(dim=-1)
     else:
-        probs_src = scaled
         if params.top_p is not None and params.top_k is not None:
-            probs_src = filter_top_k_top_p(scaled, params.top_k, params.top_p)
-        probs = probs_src.softmax(dim=-1)
+            probs = filter_top_k_top_p(scaled, params.top_k, params.top_p).softmax(dim=-1)
+        else:
+            probs = logp.exp()
         # Exp(1) noise as -log(U): torch's exponential_ is ~7x slower than rand on CPU.
         uniform = torch.rand_like(probs)
         if params.any_seeded:
@@ -83,7 +89,8 @@ def sample(logits: torch.Tensor, params: BatchParams) -> tuple[torch.Tensor, tor
                 if gen is not None:
                     uniform[i] = torch.rand(probs.shape[-1], generator=gen, device=probs.device)
         tokens = (probs / -torch.log(uniform)).argmax(dim=-1)
-        tokens = torch.where(params.greedy, logits.argmax(dim=-1), tokens)
+        if params.any_greedy:
+            tokens = torch.where(params.greedy, logits.argmax(dim=-1), tokens)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
