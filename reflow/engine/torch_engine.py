@@ -16,7 +16,8 @@ the worker computes; results come back through `loop.call_soon_threadsafe`. (The
 Prefix reuse (`prefix_cache=True`): a finished request's row keeps its keys/values ("parked"); a new
 prompt that starts with that request's prompt + completion (the next turn of a multi-turn episode,
 token-in-token-out) copies them and computes only its new tokens. It hits when the next turn arrives
-while the row is still parked: parked rows are the free rows that new requests take last.
+while the row is still parked: parked rows are the free rows that new requests take last. Identical
+prompts admitted together (a GRPO group's first turn) are computed once and copied.
 
 Semantics the rollout and trainer rely on:
 - `output_ids` are every sampled token, the final EOS / stop id included, and also the tokens that
@@ -28,6 +29,9 @@ Semantics the rollout and trainer rely on:
   SGLang's in-flight updates). A result's `weight_version` is the version of its last token; if it
   changed during the request, `meta["token_versions"]` gives the version of every output token.
   Parked prefixes are dropped on every update, so a later request never reuses stale keys/values.
+- `meta`: `request_id`, `latency_s` (submission to result), and `token_versions` when mixed.
+- `health()`: ok, weight_version, running, waiting, and counters (steps, prefills, generated_tokens,
+  prefill_tokens, prefix_hits, prefix_hit_tokens, prefill_s, decode_s, errors, kv_capacity, kv_rebases).
 - The engine owns its model: a trainer must train its own copy and push weights with `update_weights`.
 """
 
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import threading
 import time
 import uuid
@@ -97,6 +102,9 @@ class TorchEngine(DecodeLoop):
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
         self._pad_id = pad if pad is not None else 0
         dtype = next(model.parameters()).dtype
+        # transformers 5 calls the cache argument `cache`; 4.x calls it `past_key_values`.
+        forward_args = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in forward_args else "past_key_values"
         self._cache = SlotKVCache(config.num_hidden_layers, max_batch_size, self.device, dtype, kv_headroom)
         self._version = weight_version
         self._inbox: collections.deque[tuple[str, Any]] = collections.deque()

@@ -59,6 +59,7 @@ class DecodeLoop:
     vocab_size: int
     prefix_cache: bool
     _cache: SlotKVCache
+    _cache_kwarg: str
     _pad_id: int
     _version: int
     _inbox: collections.deque[tuple[str, Any]]
@@ -226,10 +227,10 @@ class DecodeLoop:
         out = self.model(
             input_ids=ids.to(self.device),
             position_ids=positions.to(self.device),
-            attention_mask=mask,
-            cache=self._cache,
+            attention_mask=mask,  # 4D: HF models use it as given
             use_cache=True,
             logits_to_keep=1,
+            **{self._cache_kwarg: self._cache},
         )
         return out.logits[:, -1]
 
