@@ -35,13 +35,17 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def _summary(seconds: list[float]) -> dict[str, float]:
+def _summary(seconds: list[float], wall_s: float | None = None) -> dict[str, float]:
     ms = [s * 1000 for s in seconds]
-    return {"n": len(ms), "p50_ms": _pct(ms, 0.5), "p99_ms": _pct(ms, 0.99), "mean_ms": statistics.fmean(ms)}
+    out = {"n": len(ms), "p50_ms": _pct(ms, 0.5), "p99_ms": _pct(ms, 0.99), "mean_ms": statistics.fmean(ms)}
+    if wall_s:
+        out["per_s"] = len(ms) / wall_s
+    return out
 
 
-def _fan_out(workers: int, total: int, fn: Callable[[int], float]) -> list[float]:
-    """`total` timed calls spread over `workers` threads; fn(worker) returns one latency."""
+def _fan_out(workers: int, total: int, fn: Callable[[int], float], pace_s: float = 0.0) -> dict[str, float]:
+    """`total` timed calls spread over `workers` threads (fn(worker) returns one latency), back to back
+    or, with `pace_s`, one per worker every `pace_s` seconds (an agent thinking between its calls)."""
     per_worker = [total // workers + (1 if w < total % workers else 0) for w in range(workers)]
     out: list[float] = []
     lock = threading.Lock()
@@ -49,13 +53,19 @@ def _fan_out(workers: int, total: int, fn: Callable[[int], float]) -> list[float
 
     def run(worker: int) -> None:
         barrier.wait()
-        mine = [fn(worker) for _ in range(per_worker[worker])]
+        time.sleep(pace_s * worker / workers)  # paced workers start staggered
+        mine = []
+        for _ in range(per_worker[worker]):
+            start = time.perf_counter()
+            mine.append(fn(worker))
+            time.sleep(max(0.0, pace_s - (time.perf_counter() - start)))
         with lock:
             out.extend(mine)
 
+    start = time.perf_counter()
     with ThreadPoolExecutor(workers) as ex:
         list(ex.map(run, range(workers)))
-    return out
+    return _summary(out, time.perf_counter() - start)
 
 
 def _timed(call: Callable[[], Any], check: Callable[[Any], bool]) -> float:
@@ -70,39 +80,30 @@ def _timed(call: Callable[[], Any], check: Callable[[Any], bool]) -> float:
 def bench_calls(sandboxes: list[DockerSandbox], calls: int, baseline_calls: int) -> dict[str, Any]:
     n = len(sandboxes)
     ok = lambda out: out.ok and out.exit_code == 0  # noqa: E731
+    shell = {"command": "echo hi"}
+    python = {"code": "print(1)"}
     for sb in sandboxes:  # warm up both paths once
-        sb.run_tool_sync("run_shell", {"command": "echo hi"})
+        sb.run_tool_sync("run_shell", shell)
         sb.exec_sync(["sh", "-c", "echo hi"])
-    return {
-        "server_shell": _summary(
-            _fan_out(
-                n,
-                calls,
-                lambda w: _timed(lambda: sandboxes[w].run_tool_sync("run_shell", {"command": "echo hi"}), ok),
-            )
-        ),
-        "exec_shell": _summary(
-            _fan_out(
-                n,
-                baseline_calls,
-                lambda w: _timed(lambda: sandboxes[w].exec_sync(["sh", "-c", "echo hi"]), ok),
-            )
-        ),
-        "server_python": _summary(
-            _fan_out(
-                n,
-                calls,
-                lambda w: _timed(lambda: sandboxes[w].run_tool_sync("run_python", {"code": "print(1)"}), ok),
-            )
-        ),
-        "exec_python": _summary(
-            _fan_out(
-                n,
-                baseline_calls,
-                lambda w: _timed(lambda: sandboxes[w].exec_sync(["python3", "-c", "print(1)"]), ok),
-            )
-        ),
+
+    def server(args: dict[str, str], tool: str) -> Callable[[int], float]:
+        return lambda w: _timed(lambda: sandboxes[w].run_tool_sync(tool, args), ok)
+
+    def docker_exec(argv: list[str]) -> Callable[[int], float]:
+        return lambda w: _timed(lambda: sandboxes[w].exec_sync(argv), ok)
+
+    figures = {
+        "server_shell": _fan_out(n, calls, server(shell, "run_shell")),
+        "exec_shell": _fan_out(n, baseline_calls, docker_exec(["sh", "-c", "echo hi"])),
+        "server_python": _fan_out(n, calls, server(python, "run_python")),
+        "exec_python": _fan_out(n, baseline_calls, docker_exec(["python3", "-c", "print(1)"])),
     }
+    if n > 1:  # every episode calls once per 100 ms: concurrency without saturating the host
+        figures["server_python_paced"] = _fan_out(n, calls, server(python, "run_python"), pace_s=0.1)
+        figures["exec_python_paced"] = _fan_out(
+            n, baseline_calls, docker_exec(["python3", "-c", "print(1)"]), 0.1
+        )
+    return figures
 
 
 def bench_acquire(concurrency: int, acquires: int, limits: SandboxLimits) -> dict[str, Any]:
@@ -130,7 +131,7 @@ def bench_acquire(concurrency: int, acquires: int, limits: SandboxLimits) -> dic
         warm = _fan_out(concurrency, acquires, episode)
         stats = pool.stats
         result = {
-            "warm": _summary(warm),
+            "warm": warm,
             "warm_hits": stats.warm_acquires,
             "cold_misses": stats.cold_acquires,
         }
@@ -151,8 +152,8 @@ def bench_acquire(concurrency: int, acquires: int, limits: SandboxLimits) -> dic
         return time.perf_counter() - start
 
     cold_n = max(concurrency, min(acquires, 2 * concurrency))
-    result["cold_sandbox"] = _summary(_fan_out(concurrency, cold_n, cold_start))
-    result["docker_run"] = _summary(_fan_out(concurrency, cold_n, docker_run))
+    result["cold_sandbox"] = _fan_out(concurrency, cold_n, cold_start)
+    result["docker_run"] = _fan_out(concurrency, cold_n, docker_run)
     return result
 
 
@@ -183,15 +184,21 @@ def run_benchmark(
 
 def _print(c: int, f: dict[str, Any], print_fn: Callable[..., Any]) -> None:
     def row(label: str, s: dict[str, float]) -> str:
-        return f"  {label:<44} p50 {s['p50_ms']:8.2f} ms   p99 {s['p99_ms']:8.2f} ms   (n={s['n']})"
+        rate = f"   {s['per_s']:7.1f}/s" if "per_s" in s else ""
+        return f"  {label:<48} p50 {s['p50_ms']:8.2f} ms   p99 {s['p99_ms']:8.2f} ms{rate}   (n={s['n']})"
 
-    print_fn(f"{c} concurrent episode(s):")
+    print_fn(f"{c} concurrent episode(s), back-to-back calls:")
     print_fn(row("tool call via tool server: run_shell echo", f["server_shell"]))
     print_fn(row("plain docker exec: sh -c echo", f["exec_shell"]))
     print_fn(row("tool call via tool server: run_python print", f["server_python"]))
     print_fn(row("plain docker exec: python3 -c print", f["exec_python"]))
-    speedup = f["exec_shell"]["p50_ms"] / max(f["server_shell"]["p50_ms"], 1e-9)
-    print_fn(f"  tool server vs docker exec (shell, p50): {speedup:.1f}x faster")
+    for kind in ("shell", "python"):
+        speedup = f[f"exec_{kind}"]["p50_ms"] / max(f[f"server_{kind}"]["p50_ms"], 1e-9)
+        print_fn(f"  tool server vs docker exec ({kind}, p50): {speedup:.1f}x faster")
+    if "server_python_paced" in f:
+        print_fn(f"{c} concurrent episode(s), each calling once per 100 ms:")
+        print_fn(row("tool call via tool server: run_python print", f["server_python_paced"]))
+        print_fn(row("plain docker exec: python3 -c print", f["exec_python_paced"]))
     print_fn(row("warm pool acquire", f["warm"]) + f"  [{f['warm_hits']} warm, {f['cold_misses']} cold]")
     print_fn(row("cold sandbox start (docker run + tool server)", f["cold_sandbox"]))
     print_fn(row("bare docker run --rm true", f["docker_run"]))
