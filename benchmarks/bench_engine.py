@@ -14,6 +14,12 @@
    (T = 0.7 with top-p 0.9, and greedy). Goal: <= 1e-4.
 
 The machine may be shared, so every figure is the best of `--repeats` runs, variants interleaved.
+
+Measured on the 2-core dev machine (shared, so +-15% between runs; `--repeats 4`):
+  uniform    TorchEngine 2736 tok/s, static loop 2630 (1.04x), model.generate 2391 (0.91x)
+  long tail  TorchEngine 1543 useful tok/s, without prefix reuse 1187, model.generate batches 501
+             (3.08x and 2.37x); 76% of prompt tokens reused from the previous turn
+  logprobs   max |engine - full forward| = 1.4e-6 (T=0.7 top-p 0.9, and greedy)
 """
 
 from __future__ import annotations
