@@ -1,4 +1,6 @@
-"""TorchEngine: logprobs, greedy equivalence, continuous batching, stops, seeds, weight updates."""
+"""TorchEngine: logprobs, greedy equivalence, continuous batching, stops, seeds, weight updates.
+
+Prefix reuse (multi-turn, GRPO groups) and a randomized mixed workload: test_torch_engine_reuse.py."""
 
 from __future__ import annotations
 
@@ -10,28 +12,15 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from engine_helpers import build_tiny_engine_model, greedy, prompt, reference_logprobs, solo  # noqa: E402
+
 from reflow.engine import Engine, EngineError, SamplingParams  # noqa: E402
 from reflow.engine.torch_engine import TorchEngine  # noqa: E402
-from reflow.models import build_tiny  # noqa: E402
-
-# A larger init than the preset's 0.02: with tied embeddings a small random model just repeats its input
-# token, and a constant output would hide position or cache mix-ups; this one writes varied,
-# context-dependent text.
-SMALL = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "vocab_size": 512,
-    "initializer_range": 0.2,
-}
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = build_tiny(tmp_path_factory.mktemp("tiny"), **SMALL)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    return path, model, tokenizer
+    return build_tiny_engine_model(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture
@@ -40,33 +29,6 @@ async def engine(tiny):
     eng = TorchEngine(model, tokenizer, max_batch_size=8)
     yield eng
     await eng.close()
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(300) for _ in range(n)]  # ordinary (non-special) ids
-
-
-def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, temperature=0.0, **kw)
-
-
-def reference_logprobs(model, ids: list[int], out: list[int], temperature: float) -> torch.Tensor:
-    """log_softmax(logits / T) of each output token from one full forward pass over prompt+output."""
-    with torch.no_grad():
-        logits = model(torch.tensor([ids + out])).logits[0, len(ids) - 1 : -1].float()
-    logp = (logits / (temperature or 1.0)).log_softmax(-1)
-    return logp.gather(-1, torch.tensor(out)[:, None]).squeeze(-1)
-
-
-async def solo(tiny, ids: list[int], params: SamplingParams) -> list[int]:
-    """The same request through a fresh engine that serves nothing else."""
-    _, model, tokenizer = tiny
-    eng = TorchEngine(model, tokenizer, max_batch_size=1)
-    try:
-        return (await eng.generate(ids, params)).output_ids
-    finally:
-        await eng.close()
 
 
 async def test_implements_the_engine_protocol(engine):
@@ -152,109 +114,6 @@ async def test_cache_growth_keeps_sequences_exact(tiny):
         await eng.close()
     assert result.output_ids == await solo(tiny, first_ids, greedy(200))
     assert joining.output_ids == await solo(tiny, joining_ids, greedy(20))
-
-
-async def test_next_turn_reuses_the_previous_turns_cache(tiny):
-    """Multi-turn: a prompt that extends a finished request's prompt + completion copies that prefix's
-    keys/values instead of recomputing them; outputs and logprobs are those of a full computation. A
-    continuation and a fresh prompt are prefilled together (suffix lengths differ)."""
-    _, model, tokenizer = tiny
-    eng = TorchEngine(model, tokenizer, max_batch_size=3)
-    sampled = SamplingParams(max_new_tokens=25, temperature=0.8, seed=5)
-    first_ids = prompt(40, seed=10)
-    try:
-        first = await eng.generate(first_ids, greedy(30))
-        turn2 = first_ids + first.output_ids + prompt(7, seed=11)
-        fresh = prompt(90, seed=12)
-        with eng._wake:  # hold the worker so that both requests join the same prefill batch
-            tasks = [asyncio.create_task(eng.generate(ids, sampled)) for ids in (turn2, fresh)]
-            await asyncio.sleep(0.01)
-        second, other = await asyncio.gather(*tasks)
-        health = await eng.health()
-        assert health["prefix_hits"] == 1
-        assert health["prefix_hit_tokens"] == len(first_ids) + len(first.output_ids) - 1
-        turn3 = turn2 + second.output_ids + prompt(3, seed=13)
-        third = await eng.generate(turn3, greedy(20))
-        assert (await eng.health())["prefix_hits"] == 2
-    finally:
-        await eng.close()
-    for ids, res, params in ((turn2, second, sampled), (fresh, other, sampled), (turn3, third, greedy(20))):
-        ref = reference_logprobs(model, ids, res.output_ids, params.temperature)
-        assert (ref - torch.tensor(res.logprobs)).abs().max().item() <= 1e-4
-        assert res.output_ids == await solo(tiny, ids, params)
-
-
-@pytest.mark.parametrize("rows", [8, 3])
-async def test_many_episodes_share_the_prefix_cache_correctly(tiny, rows):
-    """8 three-turn episodes: on 8 rows every later turn takes over its previous turn's row; on 3 rows
-    parked rows are also evicted by other episodes' turns. Every turn equals the same request on an
-    engine without prefix reuse."""
-    _, model, tokenizer = tiny
-    eng = TorchEngine(model, tokenizer, max_batch_size=rows)
-    plain = TorchEngine(model, tokenizer, max_batch_size=3, prefix_cache=False)
-
-    async def episode(seed: int) -> list[tuple[list[int], list[int]]]:
-        rng = random.Random(seed)
-        ids, turns = prompt(rng.randint(5, 60), seed=seed), []
-        for turn in range(3):
-            res = await eng.generate(ids, greedy(rng.randint(1, 30)))
-            turns.append((ids, res.output_ids))
-            ids = ids + res.output_ids + prompt(rng.randint(1, 10), seed=100 * seed + turn)
-        return turns
-
-    try:
-        episodes = await asyncio.gather(*(episode(s) for s in range(8)))
-        if rows == 8:
-            assert (await eng.health())["prefix_hits"] == 16
-        for turns in episodes:
-            for ids, out in turns:
-                assert (await plain.generate(ids, greedy(len(out)))).output_ids[: len(out)] == out
-    finally:
-        await eng.close()
-        await plain.close()
-
-
-async def test_identical_prompts_are_prefilled_once(tiny):
-    """A GRPO group's first turn: G copies of one prompt in the same prefill batch share one computation;
-    each still samples on its own (seeds) and gets exact logprobs."""
-    _, model, tokenizer = tiny
-    eng = TorchEngine(model, tokenizer, max_batch_size=8)
-    ids, other = prompt(50, seed=15), prompt(20, seed=16)
-    params = [SamplingParams(max_new_tokens=15, temperature=1.0, seed=s) for s in range(4)]
-    try:
-        with eng._wake:  # one admission batch
-            tasks = [asyncio.create_task(eng.generate(ids, p)) for p in params]
-            tasks.append(asyncio.create_task(eng.generate(other, greedy(15))))
-            await asyncio.sleep(0.01)
-        *group, alone = await asyncio.gather(*tasks)
-        health = await eng.health()
-    finally:
-        await eng.close()
-    assert health["prefix_hit_tokens"] == 3 * len(ids) and health["prefill_tokens"] == len(ids) + len(other)
-    assert len({tuple(r.output_ids) for r in group}) > 1  # different seeds, different samples
-    for res, p in zip(group, params, strict=True):
-        ref = reference_logprobs(model, ids, res.output_ids, 1.0)
-        assert (ref - torch.tensor(res.logprobs)).abs().max().item() <= 1e-4
-        assert res.output_ids == await solo(tiny, ids, p)
-    assert alone.output_ids == await solo(tiny, other, greedy(15))
-
-
-async def test_weight_updates_drop_reusable_prefixes(tiny):
-    path, _, tokenizer = tiny
-    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    eng = TorchEngine(model, tokenizer)
-    ids = prompt(30, seed=14)
-    try:
-        first = await eng.generate(ids, greedy(10))
-        new = {k: v * 1.1 for k, v in model.state_dict().items()}
-        await eng.update_weights(state_dict=new)
-        turn2 = ids + first.output_ids + [5, 6]
-        res = await eng.generate(turn2, greedy(10))
-        assert (await eng.health())["prefix_hits"] == 0  # the parked keys/values were stale
-    finally:
-        await eng.close()
-    ref = reference_logprobs(model, turn2, res.output_ids, 0.0)
-    assert (ref - torch.tensor(res.logprobs)).abs().max().item() <= 1e-4
 
 
 async def test_finish_reasons(engine):
