@@ -152,7 +152,8 @@ class SandboxPool:
                 self.cond.notify_all()  # the maintainer may top the idle queue up again
             if sandbox is not None:
                 if sandbox.ping_sync():
-                    self.stats.warm_acquires += 1
+                    with self.cond:
+                        self.stats.warm_acquires += 1
                     break
                 with self.cond:
                     self.leased.discard(sandbox)
@@ -168,8 +169,15 @@ class SandboxPool:
                 raise
             with self.cond:
                 self.starting -= 1
-                self.leased.add(sandbox)
-            self.stats.cold_acquires += 1
+                closed = self.closed
+                if closed:
+                    self.removing += 1
+                else:
+                    self.leased.add(sandbox)
+                    self.stats.cold_acquires += 1
+            if closed:  # closed while we were starting it: close() did not know about this one
+                self._spawn_remove(sandbox)
+                raise SandboxError(f"pool {self.name} is closed")
             break
         sandbox.begin_episode(episode_timeout_s or sandbox.limits.episode_timeout_s)
         self.stats.acquire_s.append(time.perf_counter() - start)
