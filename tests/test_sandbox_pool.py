@@ -214,3 +214,35 @@ def test_a_forked_child_gets_its_own_shared_pool():
     with os.fdopen(read) as f:
         assert f.read() == "True True child"
     assert parent.owner_pid == os.getpid() and not parent.closed
+
+
+@pytest.mark.bwrap
+async def test_the_sandbox_tools_for_an_env():
+    from reflow.env import ToolCall
+    from reflow.sandbox import sandbox_tools
+
+    pool = make_pool("process", size=1, max_live=2)
+    session = SandboxSession(pool)
+    try:
+        tools = {t.name: t for t in sandbox_tools(session, timeout_s=2.0)}
+        assert set(tools) == {"run_python", "run_shell", "read_file", "write_file", "list_dir"}
+        assert tools["run_shell"].schema["function"]["parameters"]["required"] == ["command"]
+
+        async def use(name: str, **arguments):
+            return await tools[name](ToolCall(name, arguments, raw=""))
+
+        wrote = await use("write_file", path="src/a.py", content="print('from a file')\n")
+        assert wrote.ok and wrote.content == "wrote 21 bytes to src/a.py"
+        ran = await use("run_shell", command="python3 src/a.py; exit 4")
+        assert ran.ok and ran.exit_code == 4 and ran.content == "exit code: 4\nstdout:\nfrom a file\n"
+        assert (await use("list_dir", recursive=True)).content == "src/\nsrc/a.py"
+        assert (await use("read_file", path="src/a.py")).content == "print('from a file')\n"
+        slow = await use("run_python", code="print('partial', flush=True)\nwhile True:\n    pass")
+        assert (
+            not slow.ok and slow.content.startswith("Error: timed out after 2s") and "partial" in slow.content
+        )
+        missing = await use("read_file", path="nope")
+        assert not missing.ok and "No such file" in missing.content
+    finally:
+        await session.close()
+        pool.close()

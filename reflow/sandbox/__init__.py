@@ -3,7 +3,8 @@
 - `Sandbox` (protocol): exec, run_tool, upload, download, close, is_alive; `ToolOutput` results.
 - `DockerSandbox`: a container with the in-sandbox tool server as PID 1; `ProcessSandbox`: bubblewrap.
 - `SandboxPool`: warm sandboxes for episodes, reset between them, with a live cap and a start rate.
-- `SandboxSession`: an env's per-episode lease; `shared_pool`, `make_sandbox`, `best_backend`.
+- `SandboxSession`: an env's per-episode lease; `sandbox_tools(session)`: the tools as `reflow.env.Tool`s;
+  `shared_pool`, `make_sandbox`, `best_backend`.
 - `build_image` (sandbox images from a Dockerfile or debootstrap), `reap` (orphan containers).
 
 Nothing here imports torch, transformers or ray; the Docker SDK is imported only when used.
@@ -31,6 +32,7 @@ from reflow.sandbox.pool import PoolExhausted, SandboxPool
 from reflow.sandbox.process_sandbox import ProcessSandbox
 from reflow.sandbox.reaper import reap
 from reflow.sandbox.session import SandboxSession
+from reflow.sandbox.tools import sandbox_tools
 
 __all__ = [
     "DEFAULT_IMAGE",
@@ -54,5 +56,6 @@ __all__ = [
     "close_shared_pools",
     "make_sandbox",
     "reap",
+    "sandbox_tools",
     "shared_pool",
 ]
