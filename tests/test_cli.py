@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import BUILTIN_ENVS
+from fake_envs import BUILTIN_ENVS
 
 REFLOW = str(Path(sys.executable).parent / "reflow")
 

@@ -74,7 +74,7 @@ def test_warmstart_trains_on_demos_saves_a_model_and_evaluates(small_model, tmp_
         "--demos",
         "40",
         "--seconds",
-        "20",
+        "600",  # the step count ends it; a busy machine must not make it stop early
         "--max-steps",
         "15",
         "--eval-episodes",

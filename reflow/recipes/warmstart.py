@@ -68,6 +68,7 @@ def warmstart(
     seconds: float = 200.0,
     max_steps: int = 2000,
     lr: float = 3e-3,
+    batch_tokens: int = 4096,
     eval_episodes: int = 100,
     seed: int = 0,
     log: Any = print,
@@ -88,7 +89,9 @@ def warmstart(
     rows = asyncio.run(demo_rows(env_id, tokenizer, demos, error_rate, seed))
     n_tokens = sum(len(r.token_ids) for r in rows)
     log(f"{len(rows)} demo rows, {n_tokens} tokens ({sum(r.n_sampled for r in rows)} trained on)")
-    config = SFTConfig(lr=lr, max_steps=max_steps, max_seconds=seconds, seed=seed, log_every=50)
+    config = SFTConfig(
+        lr=lr, max_steps=max_steps, max_seconds=seconds, batch_tokens=batch_tokens, seed=seed, log_every=50
+    )
     report = sft_train(model, rows, tokenizer.pad_token_id, config, log=log)
     out = Path(out_dir)
     model.save_pretrained(out)
@@ -127,6 +130,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seconds", type=float, default=200.0, help="SFT time budget")
     p.add_argument("--max-steps", type=int, default=2000)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per optimizer step")
     p.add_argument("--eval-episodes", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_warmstart)

@@ -164,7 +164,9 @@ class EpisodeRunner:
             turn_rec.tool_calls = [asdict(c) for c in turn.tool_calls]
             rec.messages.append(turn.to_message())
             if out.finish_reason == "length":  # a cut-off turn is not shown to the env
-                raise _Stop("truncated", "turn_length" if max_new == sampling.max_new_tokens else "token_budget")
+                raise _Stop(
+                    "truncated", "turn_length" if max_new == sampling.max_new_tokens else "token_budget"
+                )
 
             t0 = time.monotonic()
             step = await env.step(turn)

@@ -32,6 +32,16 @@ class SFTConfig:
     grad_clip: float = 1.0
     seed: int = 0
     log_every: int = 20
+    bf16: bool | None = None
+    """Autocast matmuls to bfloat16 (None: only on a CPU with AMX or AVX512-BF16, where it is ~2x faster)."""
+
+
+def _bf16_helps() -> bool:
+    cpu = torch.cpu
+    return bool(
+        getattr(cpu, "_is_amx_tile_supported", lambda: False)()
+        or getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
+    )
 
 
 @dataclass
@@ -106,6 +116,7 @@ def sft_train(
         progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
         return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
+    use_bf16 = _bf16_helps() if cfg.bf16 is None else cfg.bf16
     report = SFTReport()
     start = time.monotonic()
     model.train()
@@ -116,7 +127,8 @@ def sft_train(
         batch = batches.pop()
         for group in opt.param_groups:
             group["lr"] = lr_at(report.steps)
-        loss, n_tokens = masked_nll(model, batch, pad_id)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
+            loss, n_tokens = masked_nll(model, batch, pad_id)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

@@ -9,7 +9,6 @@ import dataclasses
 import json
 
 import httpx
-import msgspec
 import pytest
 
 from reflow.engine import EngineError, SamplingParams
@@ -64,6 +63,8 @@ class ByteTokenizer:
 
 def check_struct(cls, payload: dict):
     """Build the msgspec Struct from the JSON body (unknown keys raise), then type-check a round trip."""
+    import msgspec  # comes with sglang (`make test-sglang`), not with the venv
+
     obj = cls(**json.loads(json.dumps(payload)))
     msgspec.convert(msgspec.to_builtins(obj), cls)
     for key, value in payload.items():
