@@ -27,6 +27,7 @@ from typing import Any
 from reflow_envs.pycode.problems import FAMILIES
 from reflow_tools import python_exec
 from reflow_tools.code_runner import CodeRunner, RunnerError, SubprocessRunner, code_runner
+from reflow_tools.run_output import describe_run
 
 from reflow.env import (
     AssistantTurn,
@@ -153,19 +154,15 @@ async def grade(
 
 def format_exec(result: python_exec.ExecResult, timeout_s: float) -> str:
     """What the model sees of a run: how it ended, then stdout and stderr."""
-    head = (
-        f"timed out after {timeout_s:g}s (killed)" if result.timed_out else f"exit code: {result.exit_code}"
+    return describe_run(
+        exit_code=result.exit_code,
+        stdout=result.stdout,
+        stderr=result.stderr,
+        truncated=result.truncated,
+        timed_out=result.timed_out,
+        timeout_s=timeout_s,
+        output_limit=OUTPUT_LIMIT,
     )
-    parts = [head]
-    if result.stdout:
-        parts.append("stdout:\n" + result.stdout)
-    if result.stderr:
-        parts.append("stderr:\n" + result.stderr)
-    if not result.stdout and not result.stderr:
-        parts.append("(no output)")
-    if result.truncated:
-        parts.append(f"[output truncated to {OUTPUT_LIMIT} bytes per stream]")
-    return "".join(p if p.endswith("\n") else p + "\n" for p in parts)
 
 
 def build_task(family: str, rng: random.Random) -> Task:

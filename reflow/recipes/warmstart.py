@@ -69,6 +69,7 @@ def warmstart(
     max_steps: int = 2000,
     lr: float = 3e-3,
     batch_tokens: int = 4096,
+    model_config: dict[str, Any] | None = None,
     eval_episodes: int = 100,
     seed: int = 0,
     log: Any = print,
@@ -82,7 +83,7 @@ def warmstart(
 
     start = time.monotonic()
     torch.manual_seed(seed)
-    preset_kwargs = {}
+    preset_kwargs: dict[str, Any] = dict(model_config or {})
     if model_name == "tiny":  # a fresh tiny model: fit its tokenizer to this env's text too
         preset_kwargs["corpus"] = [*asyncio.run(demo_texts(env_id, 300, error_rate, seed)), *generic_corpus()]
     model, tokenizer = load_model(model_name, **preset_kwargs)
@@ -131,6 +132,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-steps", type=int, default=2000)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per optimizer step")
+    p.add_argument(
+        "--model-config",
+        type=json.loads,
+        default=None,
+        help='JSON of model config overrides for a preset, e.g. \'{"num_hidden_layers": 3, "hidden_size": 128}\'',
+    )
     p.add_argument("--eval-episodes", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_warmstart)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from reflow_tools.run_output import describe_run
+
 from reflow.env import Tool, ToolError, ToolResult
 from reflow.sandbox.base import ToolOutput
 from reflow.sandbox.session import SandboxSession
@@ -18,16 +20,9 @@ from reflow.sandbox.session import SandboxSession
 
 def describe(out: ToolOutput) -> str:
     """What the model sees of a run: how it ended, then stdout and stderr."""
-    parts = [f"exit code: {out.exit_code}"]
-    if out.stdout:
-        parts.append("stdout:\n" + out.stdout)
-    if out.stderr:
-        parts.append("stderr:\n" + out.stderr)
-    if not out.stdout and not out.stderr:
-        parts.append("(no output)")
-    if out.truncated:
-        parts.append("[output truncated]")
-    return "".join(p if p.endswith("\n") else p + "\n" for p in parts)
+    return describe_run(
+        exit_code=out.exit_code, stdout=out.stdout, stderr=out.stderr, truncated=out.truncated
+    )
 
 
 def _result(out: ToolOutput, content: str | None = None) -> ToolResult:
