@@ -130,9 +130,11 @@ def test_host_secrets_and_files_are_out_of_reach(sandbox, boot, tmp_path):
 
 
 def test_no_network_but_loopback(sandbox, boot):
-    out = py(sandbox, "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=3)")
-    assert out.exit_code == 1 and "OSError" in out.stderr  # Network is unreachable
-    dns = py(sandbox, "import socket\nsocket.getaddrinfo('pypi.org', 443)")
+    out = py(sandbox, "import socket\nsocket.create_connection(('192.0.2.1', 53), timeout=3)")
+    assert (
+        out.exit_code == 1 and "OSError" in out.stderr
+    )  # Network is unreachable (192.0.2.1: TEST-NET-1, never routed)
+    dns = py(sandbox, "import socket\nsocket.getaddrinfo('example.com', 443)")
     assert dns.exit_code == 1 and "gaierror" in dns.stderr
     devices = py(
         sandbox, "print(sorted(l.split(':')[0].strip() for l in open('/proc/net/dev').readlines()[2:]))"
