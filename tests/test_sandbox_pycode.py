@@ -9,7 +9,7 @@ from reflow_envs.pycode.env import PyCodeEnv, build_task, grade
 from reflow_tools.code_runner import RunnerError, SubprocessRunner, code_runner
 
 import reflow
-from reflow.env import format_hermes_call, parse_assistant, play_episode, scripted_policy
+from reflow.env import InfraError, format_hermes_call, parse_assistant, play_episode, scripted_policy
 
 KINDS = [
     pytest.param("docker", marks=pytest.mark.docker, id="docker"),
@@ -94,8 +94,15 @@ async def test_grading_goes_through_the_given_runner():
         await grade("def f(x):\n    return x", "f", [[[1], 1]], runner=Failing())
     env = PyCodeEnv(sandbox=Failing(), tasks=[build_task("add_k", random.Random(0))])
     await env.reset(seed=0)
-    step = await env.step(parse_assistant(call("print(1)"), tools=env.tools))
-    assert step.messages[0]["content"] == "Error: no sandbox" and not step.info["tool_results"][0]["ok"]
+    with pytest.raises(InfraError, match="no sandbox"):
+        await env.step(parse_assistant(call("print(1)"), tools=env.tools))
+    # through the standard wrappers: the episode ends as infra_error (masked in training), not a tool error
+    wrapped = reflow.make(
+        "reflow/PyCode-v0", sandbox=Failing(), tasks=[build_task("add_k", random.Random(0))]
+    )
+    await wrapped.reset(seed=0)
+    step = await wrapped.step(parse_assistant(call("print(1)"), tools=wrapped.unwrapped.tools))
+    assert step.truncated and step.info["status"] == "infra_error" and "no sandbox" in step.info["error"]
 
 
 @pytest.mark.docker

@@ -31,14 +31,13 @@ from reflow_tools.run_output import describe_run
 
 from reflow.env import (
     AssistantTurn,
-    EnvError,
+    InfraError,
     Message,
     Observation,
     StepResult,
     Task,
     Tool,
     ToolEnv,
-    ToolError,
     ToolResult,
     format_hermes_call,
 )
@@ -213,8 +212,8 @@ class PyCodeEnv(ToolEnv):
         """
         try:
             result = await self.runner.run_python(code, timeout_s=self.timeout_s, output_limit=OUTPUT_LIMIT)
-        except RunnerError as e:
-            raise ToolError(str(e)) from None
+        except RunnerError as e:  # the sandbox failed, not the agent: masked in training, not scored
+            raise InfraError(f"run_python: {e}") from e
         content = format_exec(result, self.timeout_s)
         return ToolResult("", "run_python", content, exit_code=result.exit_code, truncated=result.truncated)
 
@@ -246,7 +245,7 @@ class PyCodeEnv(ToolEnv):
             try:
                 result = await grade(code, self.task["function_name"], tests, self.timeout_s, self.runner)
             except RunnerError as e:
-                raise EnvError(f"cannot grade the answer: {e}") from e
+                raise InfraError(f"cannot grade the answer: {e}") from e
             finally:
                 await self.runner.end_episode()
         success = result.total > 0 and result.passed == result.total

@@ -129,6 +129,11 @@ class EnvError(RuntimeError):
     """The environment itself failed (a bug or a crash in env code); the episode is marked env_error."""
 
 
+class InfraError(RuntimeError):
+    """Infrastructure under the env failed (a sandbox died, a service is unreachable): the episode is
+    marked infra_error, which the trainer masks instead of scoring it 0."""
+
+
 class ResetNeeded(RuntimeError):
     """`step` was called before `reset` or after the episode ended."""
 

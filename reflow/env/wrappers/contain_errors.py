@@ -1,4 +1,5 @@
-"""ContainErrors: an exception inside the env's `step` ends the episode as env_error instead of crashing.
+"""ContainErrors: an exception inside the env's `step` ends the episode as env_error instead of crashing
+(as infra_error when it is an `InfraError`: the sandbox or a service under the env failed).
 
 The caller gets a normal `StepResult` (truncated, reward 0, `info["status"] == "env_error"`, the error
 text in `info["error"]`) so one broken env cannot take down a batch of episodes. A failing `reset` has
@@ -10,7 +11,7 @@ from __future__ import annotations
 import logging
 import traceback
 
-from reflow.env.core import AssistantTurn, EnvError, Observation, StepResult, Task, Wrapper
+from reflow.env.core import AssistantTurn, EnvError, InfraError, Observation, StepResult, Task, Wrapper
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +33,12 @@ class ContainErrors(Wrapper):
         try:
             return await self.env.step(turn)
         except Exception as e:
-            log.warning("env %r raised in step:\n%s", self.unwrapped, traceback.format_exc())
+            status = "infra_error" if isinstance(e, InfraError) else "env_error"
+            log.warning("env %r raised in step (%s):\n%s", self.unwrapped, status, traceback.format_exc())
             return StepResult(
                 messages=[],
                 reward=0.0,
                 terminated=False,
                 truncated=True,
-                info={"status": "env_error", "termination": "env_error", "error": describe(e)},
+                info={"status": status, "termination": status, "error": describe(e)},
             )
