@@ -108,3 +108,44 @@ def test_sft_loss_covers_only_sampled_tokens():
     logits = model(input_ids=torch.tensor([row.token_ids])).logits[0].float()
     expected = torch.nn.functional.cross_entropy(logits[3:5], torch.tensor([9, 10]))
     assert torch.allclose(loss, expected, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_warmstart_flags_reach_the_model_and_the_demos(tmp_path):
+    out_dir = tmp_path / "warm-tiny"
+    config = '{"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128}'
+    _, summary = run(
+        "warmstart",
+        "--env",
+        "reflow/Math-v0",
+        "--model",
+        "tiny",
+        "--model-config",
+        config,
+        "--out",
+        str(out_dir),
+        "--demos",
+        "20",
+        "--seconds",
+        "600",
+        "--max-steps",
+        "3",
+        "--eval-episodes",
+        "4",
+    )
+    saved = json.loads((out_dir / "config.json").read_text())
+    assert (saved["num_hidden_layers"], saved["hidden_size"]) == (1, 64) and summary["sft_steps"] == 3
+
+
+async def test_demo_rows_follow_the_demo_env_kwargs(small_model):
+    from transformers import AutoTokenizer
+
+    from reflow.recipes.warmstart import demo_rows
+
+    tok = AutoTokenizer.from_pretrained(small_model)
+    short = await demo_rows("reflow/Calc-v0", tok, 12, 0.0, env_kwargs={"max_steps": 1})
+    sampled_turn_ends = [
+        sum(1 for t, m in zip(row.token_ids, row.loss_mask, strict=True) if m and t == tok.eos_token_id)
+        for row in short
+    ]
+    assert sampled_turn_ends == [2] * 12  # one calculator call, then the answer

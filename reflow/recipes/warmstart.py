@@ -24,20 +24,27 @@ from reflow.rollout.records import Segment
 
 
 async def demo_rows(
-    env_id: str, tokenizer: Any, episodes: int, error_rate: float, seed: int = 0
+    env_id: str,
+    tokenizer: Any,
+    episodes: int,
+    error_rate: float,
+    seed: int = 0,
+    env_kwargs: dict | None = None,
 ) -> list[Segment]:
     """Token rows of `episodes` scripted episodes (one row per segment; mask 1 on the demo's turns)."""
     runner = EpisodeRunner(None, tokenizer)
     rows: list[Segment] = []
     for i in range(episodes):
-        env = make(env_id)
+        env = make(env_id, **(env_kwargs or {}))
         rec = await runner.run(env, seed=seed + i, demo_policy=scripted_policy(env, error_rate, seed + i))
         await env.close()
         rows += rec.segments
     return rows
 
 
-async def demo_texts(env_id: str, episodes: int, error_rate: float, seed: int = 0) -> list[str]:
+async def demo_texts(
+    env_id: str, episodes: int, error_rate: float, seed: int = 0, env_kwargs: dict | None = None
+) -> list[str]:
     """Whole scripted conversations as text (via the tiny preset's chat template), for tokenizer training."""
     from transformers import AutoTokenizer
 
@@ -46,7 +53,7 @@ async def demo_texts(env_id: str, episodes: int, error_rate: float, seed: int = 
     template = AutoTokenizer.from_pretrained(resolve_model_path("tiny"))
     texts = []
     for i in range(episodes):
-        env = make(env_id)
+        env = make(env_id, **(env_kwargs or {}))
         result = await play_episode(env, scripted_policy(env, error_rate, seed + i), seed=seed + i)
         raw = iter(r.raw_text for r in result.records)
         messages = [
@@ -70,6 +77,7 @@ def warmstart(
     lr: float = 3e-3,
     batch_tokens: int = 4096,
     model_config: dict[str, Any] | None = None,
+    demo_env_kwargs: dict[str, Any] | None = None,
     eval_episodes: int = 100,
     seed: int = 0,
     log: Any = print,
@@ -85,9 +93,12 @@ def warmstart(
     torch.manual_seed(seed)
     preset_kwargs: dict[str, Any] = dict(model_config or {})
     if model_name == "tiny":  # a fresh tiny model: fit its tokenizer to this env's text too
-        preset_kwargs["corpus"] = [*asyncio.run(demo_texts(env_id, 300, error_rate, seed)), *generic_corpus()]
+        preset_kwargs["corpus"] = [
+            *asyncio.run(demo_texts(env_id, 300, error_rate, seed, demo_env_kwargs)),
+            *generic_corpus(),
+        ]
     model, tokenizer = load_model(model_name, **preset_kwargs)
-    rows = asyncio.run(demo_rows(env_id, tokenizer, demos, error_rate, seed))
+    rows = asyncio.run(demo_rows(env_id, tokenizer, demos, error_rate, seed, demo_env_kwargs))
     n_tokens = sum(len(r.token_ids) for r in rows)
     log(f"{len(rows)} demo rows, {n_tokens} tokens ({sum(r.n_sampled for r in rows)} trained on)")
     config = SFTConfig(
@@ -138,6 +149,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help='JSON of model config overrides for a preset, e.g. \'{"num_hidden_layers": 3, "hidden_size": 128}\'',
     )
+    p.add_argument(
+        "--demo-env-kwargs",
+        type=json.loads,
+        default=None,
+        help="JSON of env kwargs for the demonstrations only (a curriculum), e.g. '{\"max_steps\": 2}' for Calc-v0",
+    )
     p.add_argument("--eval-episodes", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_warmstart)
@@ -156,6 +173,9 @@ def cmd_warmstart(args: argparse.Namespace) -> int:
         seconds=args.seconds,
         max_steps=args.max_steps,
         lr=args.lr,
+        batch_tokens=args.batch_tokens,
+        model_config=args.model_config,
+        demo_env_kwargs=args.demo_env_kwargs,
         eval_episodes=args.eval_episodes,
         seed=args.seed,
         log=console.print,
