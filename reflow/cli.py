@@ -6,16 +6,14 @@ import argparse
 import asyncio
 import json
 import sys
-from collections import Counter
 from typing import Any
 
-import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 from reflow.env import env_ids, make, play_episode, scripted_policy
 from reflow.env.checker import check_env
-from reflow.env.play import EpisodeResult, Policy, has_demo
+from reflow.env.play import EpisodeResult, Policy, episode_stats, has_demo
 from reflow.env.registration import discovery_errors, spec_kwargs
 
 # Piped output (CI logs, files) gets a fixed wide layout instead of the 80-column default.
@@ -82,18 +80,13 @@ stdin_policy.shown = 0
 
 
 def summarize(env_id: str, results: list[EpisodeResult]) -> dict[str, Any]:
-    turns = np.array([r.turns for r in results])
-    return {
-        "env_id": env_id,
-        "episodes": len(results),
-        "success_rate": float(np.mean([r.success for r in results])),
-        "reward_mean": float(np.mean([r.reward for r in results])),
-        "turns_p50": float(np.percentile(turns, 50)),
-        "turns_p90": float(np.percentile(turns, 90)),
-        "turns_max": int(turns.max()),
-        "statuses": dict(Counter(r.status for r in results)),
-        "seconds": float(sum(r.seconds for r in results)),
-    }
+    stats = episode_stats(
+        [r.success for r in results],
+        [r.reward for r in results],
+        [r.turns for r in results],
+        [r.status for r in results],
+    )
+    return {"env_id": env_id, **stats, "seconds": float(sum(r.seconds for r in results))}
 
 
 async def _play(

@@ -9,9 +9,12 @@ from __future__ import annotations
 import inspect
 import random
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import numpy as np
 
 from reflow.env.core import Env, EnvError, Message
 from reflow.env.parsers import parse_assistant
@@ -49,6 +52,22 @@ class EpisodeResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def episode_stats(
+    successes: list[bool], rewards: list[float], turns: list[int], statuses: list[str]
+) -> dict[str, Any]:
+    """Success rate, mean reward, episode length p50/p90/max (turns) and status counts of a batch."""
+    lengths = np.array(turns or [0])
+    return {
+        "episodes": len(successes),
+        "success_rate": float(np.mean(successes)) if successes else 0.0,
+        "reward_mean": float(np.mean(rewards)) if rewards else 0.0,
+        "turns_p50": float(np.percentile(lengths, 50)),
+        "turns_p90": float(np.percentile(lengths, 90)),
+        "turns_max": int(lengths.max()),
+        "statuses": dict(Counter(statuses)),
+    }
 
 
 def has_demo(env: Env) -> bool:

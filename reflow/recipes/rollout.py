@@ -12,10 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from reflow.engine import Engine, SamplingParams
 from reflow.env import make
+from reflow.env.play import episode_stats
 from reflow.rollout.episode import EpisodeRunner, RolloutConfig, run_group
 from reflow.rollout.records import EpisodeRecord
 
@@ -49,19 +48,15 @@ async def collect(
 
 
 def summarize(records: list[EpisodeRecord], seconds: float) -> dict[str, Any]:
-    turns = np.array([r.n_turns for r in records] or [0])
-    statuses: dict[str, int] = {}
-    for r in records:
-        statuses[r.status] = statuses.get(r.status, 0) + 1
+    stats = episode_stats(
+        [r.success for r in records],
+        [r.reward for r in records],
+        [r.n_turns for r in records],
+        [r.status for r in records],
+    )
     generated = sum(r.n_generated_tokens for r in records)
     return {
-        "episodes": len(records),
-        "reward_mean": float(np.mean([r.reward for r in records])) if records else 0.0,
-        "success_rate": float(np.mean([r.success for r in records])) if records else 0.0,
-        "turns_p50": float(np.percentile(turns, 50)),
-        "turns_p90": float(np.percentile(turns, 90)),
-        "turns_max": int(turns.max()),
-        "statuses": statuses,
+        **stats,
         "generated_tokens": generated,
         "generated_tokens_per_s": generated / seconds if seconds > 0 else 0.0,
         "seconds": seconds,

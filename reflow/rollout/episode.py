@@ -15,7 +15,7 @@ import inspect
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from reflow.engine import Engine, GenerateResult, SamplingParams
@@ -127,7 +127,7 @@ class EpisodeRunner:
             )
             if max_new < 1:
                 raise _Stop("truncated", "token_budget")
-            params = SamplingParams(**{**asdict(sampling), "max_new_tokens": max_new})
+            params = replace(sampling, max_new_tokens=max_new)
             t0 = time.monotonic()
             if demo_policy is None:
                 out = await self._generate(segment.token_ids, params, deadline)
@@ -254,9 +254,7 @@ async def run_group(
                         task=task,
                         seed=seed,
                         group_id=group_id,
-                        sampling=SamplingParams(
-                            **{**asdict(base), "seed": None if base.seed is None else base.seed + i}
-                        ),
+                        sampling=replace(base, seed=None if base.seed is None else base.seed + i),
                     )
                     for i, env in enumerate(envs)
                 )

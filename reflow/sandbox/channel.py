@@ -61,7 +61,25 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
-class DockerStream:
+class _LineReader:
+    """`read_line` over a `stdout` buffer that the transport's `_fill(deadline)` tops up."""
+
+    stdout: bytearray
+
+    def _fill(self, deadline: float) -> None:
+        raise NotImplementedError
+
+    def read_line(self, deadline: float) -> bytes:
+        while True:
+            newline = self.stdout.find(b"\n")
+            if newline >= 0:
+                line = bytes(self.stdout[: newline + 1])
+                del self.stdout[: newline + 1]
+                return line
+            self._fill(deadline)
+
+
+class DockerStream(_LineReader):
     """A Docker attach/exec stream with stdin open and tty off: demultiplexes its frames."""
 
     def __init__(self, sock: Any) -> None:
@@ -110,15 +128,6 @@ class DockerStream:
             else:
                 self.stdout += payload
 
-    def read_line(self, deadline: float) -> bytes:
-        while True:
-            newline = self.stdout.find(b"\n")
-            if newline >= 0:
-                line = bytes(self.stdout[: newline + 1])
-                del self.stdout[: newline + 1]
-                return line
-            self._fill(deadline)
-
     def read_all(self, deadline: float, limit: int) -> tuple[bytes, bytes, bool]:
         """Everything until EOF (for a plain exec): stdout and stderr, at most `limit` bytes each."""
         out, err, truncated = bytearray(), bytearray(), False
@@ -142,7 +151,7 @@ class DockerStream:
                 obj.close()
 
 
-class PipeStream:
+class PipeStream(_LineReader):
     """The tool server's stdin and stdout as pipes of a child process (the process sandbox)."""
 
     def __init__(self, stdin: IO[bytes], stdout: IO[bytes]) -> None:
@@ -159,26 +168,20 @@ class PipeStream:
         except (OSError, ValueError) as e:
             raise SandboxDied(f"cannot write to the sandbox: {e}") from e
 
-    def read_line(self, deadline: float) -> bytes:
-        while True:
-            newline = self.stdout.find(b"\n")
-            if newline >= 0:
-                line = bytes(self.stdout[: newline + 1])
-                del self.stdout[: newline + 1]
-                return line
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError
-            try:
-                ready, _, _ = select.select([self.stdout_fd], [], [], remaining)
-                if not ready:
-                    continue
-                chunk = os.read(self.stdout_fd, 1 << 16)
-            except (OSError, ValueError) as e:
-                raise SandboxDied(f"the sandbox's pipe broke: {e}") from e
-            if not chunk:
-                raise EOFError
-            self.stdout += chunk
+    def _fill(self, deadline: float) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError
+        try:
+            ready, _, _ = select.select([self.stdout_fd], [], [], remaining)
+            if not ready:
+                return
+            chunk = os.read(self.stdout_fd, 1 << 16)
+        except (OSError, ValueError) as e:
+            raise SandboxDied(f"the sandbox's pipe broke: {e}") from e
+        if not chunk:
+            raise EOFError
+        self.stdout += chunk
 
     def close(self) -> None:
         for f in self._files:
