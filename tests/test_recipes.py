@@ -96,7 +96,7 @@ def test_sft_loss_covers_only_sampled_tokens():
     import torch
 
     from reflow.models import load_model
-    from reflow.rollout.records import Segment
+    from reflow.records import Segment
     from reflow.train.sft import masked_nll
 
     model, tok = load_model("tiny", num_hidden_layers=1, hidden_size=64, intermediate_size=128)

@@ -15,8 +15,8 @@ from typing import Any
 from reflow.engine import Engine, SamplingParams
 from reflow.env import make
 from reflow.env.play import episode_stats
+from reflow.records import EpisodeRecord
 from reflow.rollout.episode import EpisodeRunner, RolloutConfig, run_group
-from reflow.rollout.records import EpisodeRecord
 
 EVAL_SEED_BASE = 1_000_000
 """Held-out tasks use seeds from here on; training draws its seeds below it."""

@@ -19,8 +19,8 @@ from typing import Any
 
 from reflow.env import make, play_episode, scripted_policy
 from reflow.recipes.rollout import evaluate
+from reflow.records import Segment
 from reflow.rollout.episode import EpisodeRunner
-from reflow.rollout.records import Segment
 
 
 async def demo_rows(

@@ -21,8 +21,8 @@ from typing import Any
 from reflow.engine import Engine, GenerateResult, SamplingParams
 from reflow.env import Env, EnvError, Message, Task, parse_assistant
 from reflow.env.play import Policy
+from reflow.records import EpisodeRecord, Segment, TurnRecord
 from reflow.rollout.chat import ChatRenderer
-from reflow.rollout.records import EpisodeRecord, Segment, TurnRecord
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from reflow.rollout.records import Segment
+from reflow.records import Segment
 
 
 @dataclass
