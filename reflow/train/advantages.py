@@ -1,0 +1,116 @@
+"""Group-relative (GRPO) advantages, the infra-error training mask, and zero-spread group filtering.
+
+This module owns the learning signal of one trajectory group: which episodes count (an episode whose
+status is `infra_error` failed for reasons outside the policy's control, so it is masked out of
+training, never scored 0), the advantage of each episode relative to its group, and whether a group
+carries any signal at all (DAPO's dynamic sampling drops groups whose rewards are all equal, since
+their GRPO advantages are all zero and they only dilute the batch).
+
+Advantages are fixed per group when the group is created; replay reuses them (DESIGN.md, Dual replay
+data cycle). Everything here is plain Python on floats: no torch needed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+MASKED_STATUSES: frozenset[str] = frozenset({"infra_error"})
+"""Episode statuses excluded from training. Other failures (timeout, env_error, truncated) are the
+policy's outcome and keep their reward."""
+
+
+def valid_for_training(status: str) -> bool:
+    """Whether an episode with this status may be trained on (`infra_error` may not)."""
+    return status not in MASKED_STATUSES
+
+
+def train_mask(episodes_statuses: Sequence[str]) -> list[bool]:
+    """Per episode: True where it counts for training, False for `infra_error` episodes."""
+    return [valid_for_training(s) for s in episodes_statuses]
+
+
+def _valid_rewards(rewards: Sequence[float], mask: Sequence[bool] | None) -> list[float]:
+    if mask is None:
+        return [float(r) for r in rewards]
+    if len(mask) != len(rewards):
+        raise ValueError(f"mask has {len(mask)} entries for {len(rewards)} rewards")
+    return [float(r) for r, keep in zip(rewards, mask, strict=True) if keep]
+
+
+def has_spread(rewards: Sequence[float], tol: float = 1e-9, *, mask: Sequence[bool] | None = None) -> bool:
+    """Whether the (unmasked) rewards differ by more than `tol`; fewer than two valid episodes never
+    have spread, as there is nothing to compare."""
+    valid = _valid_rewards(rewards, mask)
+    return len(valid) >= 2 and max(valid) - min(valid) > tol
+
+
+def group_advantages(
+    rewards: Sequence[float],
+    *,
+    scale: Literal["std", "none"] = "std",
+    eps: float = 1e-6,
+    mask: Sequence[bool] | None = None,
+    tol: float = 1e-9,
+) -> list[float]:
+    """GRPO advantages of one group: (r - mean) / (std + eps) with the population std, or r - mean
+    when `scale="none"` (Dr. GRPO's unscaled variant).
+
+    `mask` (e.g. from `train_mask`) excludes episodes: they do not enter the mean or std and get
+    advantage 0.0 (the trainer should also drop their tokens). A group without spread (see
+    `has_spread`, same `tol`) gets exactly 0.0 everywhere rather than float noise over eps.
+    """
+    if scale not in ("std", "none"):
+        raise ValueError(f"scale must be 'std' or 'none', got {scale!r}")
+    keep = [True] * len(rewards) if mask is None else [bool(m) for m in mask]
+    valid = _valid_rewards(rewards, keep)
+    if not has_spread(valid, tol):
+        return [0.0] * len(rewards)
+    mean = math.fsum(valid) / len(valid)
+    denom = 1.0
+    if scale == "std":
+        denom = math.sqrt(math.fsum((r - mean) ** 2 for r in valid) / len(valid)) + eps
+    return [(float(r) - mean) / denom if k else 0.0 for r, k in zip(rewards, keep, strict=True)]
+
+
+@dataclass
+class GroupSelection:
+    """Which groups carry signal. `zero_spread_share` (log it every step) is the fraction of all
+    groups without spread; a group with fewer than two unmasked episodes counts as zero-spread."""
+
+    keep: list[bool]
+    n_groups: int
+    n_zero_spread: int
+
+    @property
+    def zero_spread_share(self) -> float:
+        return self.n_zero_spread / self.n_groups if self.n_groups else 0.0
+
+    @property
+    def kept(self) -> list[int]:
+        """Indices of the kept groups."""
+        return [i for i, k in enumerate(self.keep) if k]
+
+
+def select_groups(
+    groups_rewards: Sequence[Sequence[float]],
+    *,
+    masks: Sequence[Sequence[bool] | None] | None = None,
+    drop_zero_spread: bool = True,
+    tol: float = 1e-9,
+) -> GroupSelection:
+    """Zero-spread filtering (DAPO dynamic sampling): keep the groups whose unmasked rewards differ.
+
+    `masks[i]` is group i's per-episode training mask (None: all count). With
+    `drop_zero_spread=False` every group is kept and only the share is measured.
+    """
+    if masks is not None and len(masks) != len(groups_rewards):
+        raise ValueError(f"{len(masks)} masks for {len(groups_rewards)} groups")
+    spread = [
+        has_spread(rewards, tol, mask=None if masks is None else masks[i])
+        for i, rewards in enumerate(groups_rewards)
+    ]
+    keep = spread if drop_zero_spread else [True] * len(spread)
+    return GroupSelection(keep=keep, n_groups=len(spread), n_zero_spread=spread.count(False))
