@@ -181,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     from reflow.sandbox.cli import add_sandbox_commands  # `reflow sandbox ...` (issue F2)
 
     add_sandbox_commands(sub)
+    from reflow.replay.cli import add_parser as add_replay_commands  # `reflow replay ...` (issue F4)
+
+    add_replay_commands(sub)
     return parser
 
 

@@ -1,0 +1,12 @@
+"""Replay: the durable, trajectory-level store of episode groups (issue F4).
+
+`ReplayStore` keeps every accepted group with its full per-turn records in one SQLite file per run and
+answers the queries of the dual replay cycle (fresh groups in arrival order, replayable groups within
+a staleness window and reuse limit) plus admission control and a checkpoint cursor. `reflow replay
+inspect | export` (reflow/replay/cli.py) read it from the command line. This package imports only
+`reflow.records` and `reflow.env`: never the trainer or the engines.
+"""
+
+from reflow.replay.store import ReplayStore, StoredGroup
+
+__all__ = ["ReplayStore", "StoredGroup"]

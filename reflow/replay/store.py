@@ -1,0 +1,400 @@
+"""The replay store: every accepted trajectory group, durable on disk with its full per-turn records.
+
+Why SQLite, in WAL mode with synchronous=FULL:
+- one file per run (`runs/<name>/replay.sqlite`), Python's standard library only, nothing to deploy;
+- a group and all its episodes are written in one transaction, so a reader, or a run restarted after a
+  crash, sees the whole group or none of it: never a half-written one;
+- with synchronous=FULL a commit returns only once the write-ahead log is fsynced, so `add_group`
+  returning (the acknowledgement) means the group survives kill -9 and power loss; WAL also lets
+  `reflow replay inspect` read while the run writes;
+- indexed queries by run, policy version, group and consumption count, which the dual replay cycle
+  needs, without reading the record blobs.
+
+What it keeps for the replay cycle (F5 adds the policy; this module only answers queries): arrival
+order (`seq`), the policy version a group was generated with, its reward spread, how often trainer steps
+consumed it and which step last did, wall-clock creation time, the GRPO advantages fixed at creation,
+the groups in flight (for admission control) and a small cursor table saved with checkpoints.
+The table layout and the record codec are in reflow/replay/schema.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from reflow.records import EpisodeRecord
+from reflow.replay.schema import (
+    EPISODE_COLS,
+    GROUP_COLS,
+    GROUP_INSERT,
+    SCHEMA_VERSION,
+    decode_record,
+    dumps,
+    encode_record,
+    episode_columns,
+    reward_spread,
+    statements,
+)
+
+_PAGE = 256  # episodes decoded per lock hold when iterating, so other threads are not starved
+
+
+@dataclass
+class StoredGroup:
+    group_id: str
+    seq: int
+    """Arrival order (monotonic, never reused)."""
+    policy_version: int
+    """The version the group was generated with: min policy_version_start of its episodes."""
+    episodes: list[EpisodeRecord]
+    advantages: list[float]
+    """One per episode, fixed at creation (GRPO); replay reuses them."""
+    reward_spread: float
+    """max - min reward over the group's episodes, infra_error episodes left out (they are masked)."""
+    consumed: int
+    """How many trainer steps consumed the group."""
+    last_step: int | None
+    meta: dict[str, Any] = field(default_factory=dict)
+    run: str = ""
+    created_at: float = 0.0
+    """Wall-clock seconds (time.time()) when the group was stored, for age in seconds."""
+
+
+class ReplayStore:
+    """Trajectory groups of one run in one SQLite file (several runs may share a file).
+
+    Thread-safe: one connection guarded by a lock, so a Ray actor or asyncio code running calls in
+    threads can share it; other processes may open the same file (WAL readers never block the writer).
+    """
+
+    def __init__(self, path: str | Path, run: str = "default", *, compress: bool = True) -> None:
+        self.path = Path(path)
+        self.run = run
+        self.compress = compress
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        # Autocommit mode: transactions are opened explicitly (BEGIN IMMEDIATE) and nothing is left
+        # pending in a driver-managed transaction.
+        self._db = sqlite3.connect(
+            str(self.path), timeout=30.0, isolation_level=None, check_same_thread=False
+        )
+        mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if mode.lower() != "wal":
+            self._db.close()
+            raise RuntimeError(
+                f"{self.path}: SQLite refused WAL mode ({mode}); is it on a network file system?"
+            )
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        with self._write():
+            for statement in statements():
+                self._db.execute(statement)
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+            if version == 0:
+                self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            elif version > SCHEMA_VERSION:
+                raise RuntimeError(
+                    f"{self.path} has replay schema {version}; this ReFlow reads {SCHEMA_VERSION}"
+                )
+
+    # ---- transactions
+
+    @contextmanager
+    def _write(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
+        """One write transaction. durable=False skips the fsync of this commit (the next durable
+        commit fsyncs the log up to and including it): for in-flight bookkeeping only."""
+        with self._lock:
+            if not durable:
+                self._db.execute("PRAGMA synchronous=NORMAL")
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._db
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
+            finally:
+                if not durable:
+                    self._db.execute("PRAGMA synchronous=FULL")
+
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        """One read transaction: every query inside sees the same snapshot."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                yield self._db
+            finally:
+                self._db.execute("COMMIT")
+
+    # ---- writing
+
+    def add_group(
+        self, episodes: list[EpisodeRecord], advantages: list[float], *, meta: dict[str, Any] | None = None
+    ) -> StoredGroup:
+        """Store a group; it is committed and fsynced before this returns. Also ends it in flight."""
+        if not episodes:
+            raise ValueError("a group needs at least one episode")
+        group_ids = {e.group_id for e in episodes}
+        if len(group_ids) != 1:
+            raise ValueError(f"episodes of one group must share one group_id, got {sorted(group_ids)}")
+        if len(advantages) != len(episodes):
+            raise ValueError(f"{len(advantages)} advantages for {len(episodes)} episodes")
+        episode_ids = [e.episode_id for e in episodes]
+        if len(set(episode_ids)) != len(episode_ids):
+            raise ValueError("duplicate episode_id within the group")
+        (group_id,) = group_ids
+        advantages = [float(a) for a in advantages]
+        meta = dict(meta or {})
+        version = min(e.policy_version_start for e in episodes)
+        spread = reward_spread(episodes)
+        blobs = [(e, encode_record(e, self.compress)) for e in episodes]  # CPU work outside the lock
+        created_at = time.time()
+        group_row = (
+            self.run,
+            group_id,
+            version,
+            len(episodes),
+            spread,
+            dumps(advantages),
+            created_at,
+            dumps(meta),
+        )
+        with self._write() as db:
+            try:
+                cur = db.execute(
+                    f"INSERT INTO groups ({GROUP_INSERT}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", group_row
+                )
+            except sqlite3.IntegrityError:
+                raise ValueError(f"group {group_id!r} is already in the store") from None
+            seq = cur.lastrowid
+            rows = [
+                (self.run, e.episode_id, seq, i, *episode_columns(e), *blob)
+                for i, (e, blob) in enumerate(blobs)
+            ]
+            try:
+                db.executemany(f"INSERT INTO episodes VALUES ({', '.join('?' * 14)})", rows)
+            except sqlite3.IntegrityError:
+                raise ValueError(f"group {group_id!r}: an episode_id is already in the store") from None
+            db.execute("DELETE FROM in_flight WHERE run = ? AND group_id = ?", (self.run, group_id))
+        assert seq is not None
+        return StoredGroup(
+            group_id, seq, version, list(episodes), advantages, spread, 0, None, meta, self.run, created_at
+        )
+
+    def mark_consumed(self, group_ids: list[str], step: int) -> None:
+        """One trainer step consumed these groups: consumed += 1 and last_step = step for each (a group
+        listed twice counts once), in one transaction; an unknown id raises KeyError and changes nothing."""
+        with self._write() as db:
+            for gid in dict.fromkeys(group_ids):
+                cur = db.execute(
+                    "UPDATE groups SET consumed = consumed + 1, last_step = ? WHERE run = ? AND group_id = ?",
+                    (step, self.run, gid),
+                )
+                if cur.rowcount != 1:
+                    raise KeyError(f"no group {gid!r} in run {self.run!r}")
+
+    # ---- admission control (F5): groups handed to rollout and not yet stored
+
+    def begin_group(self, group_id: str, policy_version: int) -> None:
+        with self._write(durable=False) as db:
+            db.execute(
+                "INSERT OR REPLACE INTO in_flight VALUES (?, ?, ?, ?)",
+                (self.run, group_id, policy_version, time.time()),
+            )
+
+    def end_group(self, group_id: str) -> None:
+        """Forget an in-flight group (dropped or failed); `add_group` ends it by itself."""
+        with self._write(durable=False) as db:
+            db.execute("DELETE FROM in_flight WHERE run = ? AND group_id = ?", (self.run, group_id))
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return self._db.execute("SELECT COUNT(*) FROM in_flight WHERE run = ?", (self.run,)).fetchone()[0]
+
+    def in_flight_groups(self) -> dict[str, int]:
+        """group_id -> the policy version it was started with."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT group_id, policy_version FROM in_flight WHERE run = ?", (self.run,)
+            )
+            return dict(rows.fetchall())
+
+    def clear_in_flight(self) -> int:
+        """Forget every in-flight group of this run (a resumed run: the old process's groups never
+        arrive). Returns how many there were. Not done on open, since readers open the file too."""
+        with self._write(durable=False) as db:
+            return db.execute("DELETE FROM in_flight WHERE run = ?", (self.run,)).rowcount
+
+    # ---- cursor: small JSON values saved with checkpoints
+
+    def set_cursor(self, key: str, value: Any) -> None:
+        with self._write() as db:
+            db.execute("INSERT OR REPLACE INTO cursor VALUES (?, ?, ?)", (self.run, key, dumps(value)))
+
+    def get_cursor(self, key: str, default: Any = None) -> Any:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT value FROM cursor WHERE run = ? AND key = ?", (self.run, key)
+            ).fetchone()
+        return json.loads(row[0]) if row else default
+
+    # ---- queries
+
+    def fresh(self, limit: int | None = None) -> list[StoredGroup]:
+        """Groups no trainer step consumed yet, in arrival order."""
+        return self._groups("consumed = 0", (), "seq", limit)
+
+    def replayable(
+        self,
+        *,
+        current_version: int,
+        tau_max: int,
+        max_reuse: int,
+        limit: int | None = None,
+        prefer_spread: bool = True,
+    ) -> list[StoredGroup]:
+        """Groups consumed at least once and fewer than `max_reuse` times (max_reuse counts every
+        consumption, the fresh one included), generated at most `tau_max` versions before
+        `current_version`. Groups with reward spread come first (with prefer_spread), then the newest:
+        latest policy version, then latest arrival."""
+        order = "policy_version DESC, seq DESC"
+        if prefer_spread:
+            order = "(reward_spread > 0) DESC, " + order
+        where = "consumed >= 1 AND consumed < ? AND policy_version >= ?"
+        return self._groups(where, (max_reuse, current_version - tau_max), order, limit)
+
+    def group(self, group_id: str) -> StoredGroup:
+        found = self._groups("group_id = ?", (group_id,), "seq", 1)
+        if not found:
+            raise KeyError(f"no group {group_id!r} in run {self.run!r}")
+        return found[0]
+
+    def count(self, *, consumed: bool | None = None) -> int:
+        """Number of groups of this run; consumed=True/False: only those consumed at least once / never."""
+        where = {None: "", True: " AND consumed > 0", False: " AND consumed = 0"}[consumed]
+        with self._lock:
+            return self._db.execute(
+                f"SELECT COUNT(*) FROM groups WHERE run = ?{where}", (self.run,)
+            ).fetchone()[0]
+
+    def episodes(self, *, run: str | None = None, min_version: int | None = None) -> Iterator[EpisodeRecord]:
+        """Every stored episode in arrival order (group by group). run=None: every run in the file, not
+        just this store's; min_version filters on the episode's policy_version_start."""
+        for _row, record in self._episode_rows(run, min_version):
+            yield EpisodeRecord.from_dict(record)
+
+    def rows(self, *, run: str | None = None) -> Iterator[dict[str, Any]]:
+        """One dict per episode for export: the indexed and group columns, plus `record` (the full
+        record as a dict). run=None means this store's run."""
+        for row, record in self._episode_rows(run or self.run, None):
+            run_, _eid, seq, idx, group_id, gversion, advantages, spread, consumed, last_step, created = row
+            yield {
+                "run": run_, "group_id": group_id, "seq": seq, "index_in_group": idx,
+                "group_policy_version": gversion, "advantage": json.loads(advantages)[idx],
+                "reward_spread": spread, "consumed": consumed, "last_step": last_step,
+                "created_at": created, "record": record,
+            }  # fmt: skip
+
+    def runs(self) -> list[str]:
+        """The run names with groups in this file."""
+        with self._lock:
+            return [r[0] for r in self._db.execute("SELECT DISTINCT run FROM groups ORDER BY run")]
+
+    def stats(self) -> dict[str, Any]:
+        """Counts, reward/success by version, statuses, lengths, tokens and reuse: see replay.stats."""
+        from reflow.replay.stats import summarize
+
+        with self._read() as db:
+            groups = db.execute(
+                "SELECT policy_version, n_episodes, reward_spread, consumed, created_at FROM groups WHERE run = ?",
+                (self.run,),
+            ).fetchall()
+            episodes = db.execute(
+                "SELECT policy_version_start, status, reward, success, n_turns, n_generated_tokens "
+                "FROM episodes WHERE run = ?",
+                (self.run,),
+            ).fetchall()
+            in_flight = db.execute("SELECT COUNT(*) FROM in_flight WHERE run = ?", (self.run,)).fetchone()[0]
+        return {"run": self.run, "path": str(self.path), **summarize(groups, episodes, in_flight)}
+
+    def export(self, out: str | Path, fmt: Literal["parquet", "jsonl"] = "parquet") -> Path:
+        """One row per episode (flat columns, the turns, and the full record): see replay.export."""
+        from reflow.replay.export import export_rows
+
+        return export_rows(self.rows(), out, fmt)
+
+    def integrity_check(self) -> str:
+        with self._lock:
+            return self._db.execute("PRAGMA integrity_check").fetchone()[0]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> ReplayStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ReplayStore({str(self.path)!r}, run={self.run!r})"
+
+    # ---- internals
+
+    def _groups(self, where: str, params: tuple, order: str, limit: int | None) -> list[StoredGroup]:
+        sql = f"SELECT {GROUP_COLS} FROM groups WHERE run = ? AND {where} ORDER BY {order} LIMIT ?"
+        with self._read() as db:
+            rows = db.execute(sql, (self.run, *params, -1 if limit is None else limit)).fetchall()
+            by_seq: dict[int, list[EpisodeRecord]] = {r[0]: [] for r in rows}
+            seqs = list(by_seq)
+            for i in range(0, len(seqs), 500):
+                chunk = seqs[i : i + 500]
+                for seq, codec, blob in db.execute(
+                    f"SELECT group_seq, codec, record FROM episodes WHERE group_seq IN ({','.join('?' * len(chunk))}) "
+                    "ORDER BY group_seq, idx",
+                    chunk,
+                ):
+                    by_seq[seq].append(EpisodeRecord.from_dict(decode_record(codec, blob)))
+        out = []
+        for seq, run, gid, version, n, spread, adv, consumed, last_step, created, meta in rows:
+            if len(by_seq[seq]) != n:  # cannot happen short of file corruption: fail loudly
+                raise RuntimeError(f"group {gid!r} has {len(by_seq[seq])} of its {n} episodes")
+            group = StoredGroup(gid, seq, version, by_seq[seq], json.loads(adv), spread, consumed, last_step)
+            group.meta, group.run, group.created_at = json.loads(meta), run, created
+            out.append(group)
+        return out
+
+    def _episode_rows(
+        self, run: str | None, min_version: int | None
+    ) -> Iterator[tuple[tuple, dict[str, Any]]]:
+        """Keyset pagination over (group_seq, idx): the lock is held per page, never across a yield."""
+        where, params = ["(e.group_seq, e.idx) > (?, ?)"], []
+        if run is not None:
+            where.append("e.run = ?")
+            params.append(run)
+        if min_version is not None:
+            where.append("e.policy_version_start >= ?")
+            params.append(min_version)
+        sql = (
+            f"SELECT {EPISODE_COLS} FROM episodes e JOIN groups g ON g.seq = e.group_seq "
+            f"WHERE {' AND '.join(where)} ORDER BY e.group_seq, e.idx LIMIT {_PAGE}"
+        )
+        last: tuple[int, int] = (-1, -1)
+        while True:
+            with self._lock:
+                page = self._db.execute(sql, (*last, *params)).fetchall()
+            for row in page:
+                yield row[:-2], decode_record(row[-2], row[-1])
+            if len(page) < _PAGE:
+                return
+            last = (page[-1][2], page[-1][3])
