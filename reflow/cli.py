@@ -36,8 +36,13 @@ def cmd_envs_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def local_env_ids() -> list[str]:
+    """What `--all` plays: every registered env but clients of an env server (reflow/Remote-v0)."""
+    return [e for e in env_ids() if not spec_kwargs(e)["env_entry_point"].startswith("reflow.server.")]
+
+
 def cmd_envs_check(args: argparse.Namespace) -> int:
-    ids = env_ids() if args.all else args.env_ids
+    ids = local_env_ids() if args.all else args.env_ids
     if not ids:
         console.print("[red]give env ids or --all[/red]")
         return 2
@@ -112,7 +117,7 @@ async def _play(
 
 
 def cmd_envs_play(args: argparse.Namespace) -> int:
-    ids = env_ids() if args.all else args.env_ids
+    ids = local_env_ids() if args.all else args.env_ids
     if not ids:
         console.print("[red]give env ids or --all[/red]")
         return 2
@@ -184,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     from reflow.replay.cli import add_parser as add_replay_commands  # `reflow replay ...` (issue F4)
 
     add_replay_commands(sub)
+    from reflow.server import cli as server_cli  # `reflow serve-envs` (issue F6)
+
+    server_cli.add_parser(sub)
     return parser
 
 

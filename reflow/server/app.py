@@ -1,0 +1,178 @@
+"""`create_app(settings)`: the FastAPI application of the env server.
+
+It owns what is the same for every route: the lifespan (the env catalog and the reaper on start; a
+graceful close of every session and sandbox pool on stop), the request-body limit, auth on everything
+but `/healthz` (the OpenAPI document included), and one error shape: every error answers
+`{error_kind, code, message}`. Env failures are `env`; infrastructure, capacity and timeouts `infra`;
+bad requests, validation and auth `agent`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from reflow.env import make
+from reflow.env.registration import spec_kwargs
+from reflow.server.auth import require_token
+from reflow.server.routes import capacity, envs, health, sessions
+from reflow.server.schemas import ApiError
+from reflow.server.sessions import SessionManager, served_env_ids
+from reflow.server.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+
+
+def error_response(
+    status: int, kind: str, code: str, message: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse({"error_kind": kind, "code": code, "message": message}, status, headers=headers)
+
+
+class BodyLimit:
+    """413 for a request body over `max_bytes`, whether it says its length up front or is chunked."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                await error_response(400, "agent", "bad_request", "invalid Content-Length")(
+                    scope, receive, send
+                )
+                return
+            if int(declared) > self.max_bytes:
+                await self._too_large()(scope, receive, send)
+                return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                # FastAPI passes an HTTPException from the body read through to the handlers below.
+                raise HTTPException(413, self._message())
+            return message
+
+        await self.app(scope, limited, send)
+
+    def _message(self) -> str:
+        return f"request body over {self.max_bytes} bytes"
+
+    def _too_large(self) -> JSONResponse:
+        return error_response(413, "agent", "body_too_large", self._message())
+
+
+async def build_catalog(ids: list[str], settings: ServerSettings) -> list[dict[str, Any]]:
+    """Each served env's tools and limits, read from one instance; an env that cannot be made is left out."""
+    catalog = []
+    for env_id in ids:
+        try:
+            env = make(env_id, **settings.env_kwargs.get(env_id, {}))
+        except Exception as e:
+            log.warning("not serving %s: it cannot be made here (%s: %s)", env_id, type(e).__name__, e)
+            continue
+        spec = spec_kwargs(env_id)
+        tools = [tool.schema for tool in env.unwrapped.tools]
+        await env.close()
+        catalog.append(
+            {
+                "env_id": env_id,
+                "tools": tools,
+                "max_turns": spec["max_turns"],
+                "deadline_s": spec["deadline_s"],
+            }
+        )
+    return catalog
+
+
+def create_app(settings: ServerSettings) -> FastAPI:
+    """The app; serve it with uvicorn (`reflow serve-envs` does)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.catalog = await build_catalog(served_env_ids(settings), settings)
+        app.state.manager = SessionManager(settings, [e["env_id"] for e in app.state.catalog])
+        app.state.started = time.monotonic()
+        app.state.manager.start()
+        yield
+        await app.state.manager.shutdown()
+        from reflow.sandbox import close_shared_pools  # sandboxes this process started go too
+
+        await asyncio.to_thread(close_shared_pools)
+
+    app = FastAPI(
+        title="ReFlow env server",
+        version="1",
+        description=__doc__,
+        lifespan=lifespan,
+        openapi_url=None,  # served below, behind the token
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.settings = settings
+
+    auth = [Depends(require_token)]
+    app.include_router(health.router)
+    for module in (sessions, envs, capacity):
+        app.include_router(module.router, dependencies=auth)
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=auth)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(openapi_document(app))
+
+    _add_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    return app
+
+
+def openapi_document(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document, with the served env ids as the choices of `env_id`."""
+    doc = copy.deepcopy(app.openapi())
+    manager = getattr(app.state, "manager", None)
+    if manager is not None and manager.served:
+        doc["components"]["schemas"]["CreateSession"]["properties"]["env_id"]["enum"] = sorted(manager.served)
+    return doc
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        return error_response(e.status, e.kind, e.code, e.message, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err.get('loc', ())) or 'body'}: {err.get('msg', '')}"
+            for err in e.errors()[:5]
+        )
+        return error_response(422, "agent", "invalid_request", problems or "invalid request")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        codes = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+        return error_response(
+            e.status_code, "agent", codes.get(e.status_code, "bad_request"), str(e.detail), e.headers
+        )
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, e: Exception) -> JSONResponse:
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=e)
+        return error_response(500, "infra", "internal_error", f"the server failed: {type(e).__name__}")

@@ -1,0 +1,140 @@
+"""`reflow serve-envs`: serve every registered env over HTTP (FastAPI on uvicorn).
+
+`reflow/cli.py` registers it with `add_parser(sub)`; FastAPI and uvicorn are imported only when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import logging
+import socket
+import sys
+
+from reflow.server.settings import TOKEN_ENV_VAR, ServerSettings, load_token
+
+LOOPBACK_NAMES = ("localhost",)
+
+
+def is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0: any free one), made here so the real port can be printed."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    token = load_token(args.token_file)
+    if token is None and not args.no_auth:
+        raise SystemExit(
+            f"reflow serve-envs: no token; give --token-file F or set ${TOKEN_ENV_VAR} "
+            "(or --no-auth, allowed on a loopback host only)"
+        )
+    if args.no_auth and not is_loopback(args.host):
+        raise SystemExit(f"reflow serve-envs: --no-auth is allowed only on a loopback host, not {args.host}")
+    return ServerSettings(
+        token=None if args.no_auth else token,
+        no_auth=args.no_auth,
+        max_sessions=args.max_sessions,
+        max_body_bytes=args.max_body_bytes,
+        step_timeout_s=args.step_timeout,
+        default_deadline_s=min(args.deadline, args.max_deadline),
+        max_deadline_s=args.max_deadline,
+        idle_timeout_s=args.idle_timeout,
+        reaper_interval_s=min(5.0, args.idle_timeout / 4),
+        shutdown_grace_s=args.shutdown_grace,
+        env_ids=args.env or None,
+        env_kwargs=json.loads(args.env_kwargs) if args.env_kwargs else {},
+        client_env_kwargs=frozenset(args.allow_client_kwarg or ()),
+    )
+
+
+def cmd_serve_envs(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from reflow.server.app import create_app
+
+    settings = settings_from_args(args)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    sock = bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    scheme = "https" if args.ssl_certfile else "http"
+    auth = "no auth" if settings.token is None else "bearer token"
+    print(f"reflow serve-envs: listening on {scheme}://{shown}:{port} ({auth})", flush=True)
+    if not is_loopback(host) and scheme == "http":
+        print(
+            "reflow serve-envs: plain HTTP off loopback; put TLS in front or give --ssl-certfile", flush=True
+        )
+    config = uvicorn.Config(
+        create_app(settings),
+        log_level=args.log_level,
+        access_log=False,
+        timeout_keep_alive=75,  # a policy thinks for seconds between steps; keep its connection
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 1,
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
+    )
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve-envs",
+        help="serve every registered env over HTTP (needs the server extra)",
+        description=(
+            "Serve the registered envs with the session protocol (POST /v1/sessions, .../step, GET/DELETE "
+            f"/v1/sessions/ID, /v1/envs, /v1/capacity, /healthz). Auth: a bearer token from --token-file or "
+            f"${TOKEN_ENV_VAR}; without one it refuses to start unless --no-auth is given, and --no-auth "
+            "works only on a loopback host. Binds to 127.0.0.1 unless --host says otherwise."
+        ),
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8765, help="0 picks a free port (printed on start)")
+    p.add_argument("--token-file", help=f"file holding the bearer token (else ${TOKEN_ENV_VAR})")
+    p.add_argument("--no-auth", action="store_true", help="serve without a token (loopback host only)")
+    p.add_argument("--max-sessions", type=int, default=256, help="live sessions at once (429 past it)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--step-timeout", type=float, default=60.0, help="seconds one step may take")
+    p.add_argument("--deadline", type=float, default=600.0, help="default session deadline, reset included")
+    p.add_argument("--max-deadline", type=float, default=3600.0, help="longest deadline a client may ask")
+    p.add_argument("--idle-timeout", type=float, default=300.0, help="close sessions idle this long")
+    p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight steps get on stop")
+    p.add_argument("--env", action="append", metavar="ID", help="serve only these envs (repeatable)")
+    p.add_argument("--env-kwargs", help='constructor kwargs per env, JSON: {"reflow/PyCode-v0": {...}}')
+    p.add_argument(
+        "--allow-client-kwarg", action="append", metavar="NAME", help="a constructor kwarg clients may set"
+    )
+    p.add_argument("--ssl-certfile")
+    p.add_argument("--ssl-keyfile")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(fn=cmd_serve_envs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m reflow.server.cli ...`: the same as `reflow serve-envs ...`."""
+    parser = argparse.ArgumentParser(prog="reflow")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve-envs", *(sys.argv[1:] if argv is None else argv)])
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""`RemoteEnv`: an env served by `reflow serve-envs`, used like any local env.
+
+`reflow.make("reflow/Remote-v0", url=..., env_id="reflow/Calc-v0")` gives it the standard wrappers, so
+it plays in `play_episode` and the episode runner unchanged. Each `reset` is a new server session.
+
+- Tool calls are parsed here (`parse_assistant` with this env's `tools`, which carry the server's
+  schemas and check names and required arguments) and the parsed turn is sent; the server checks
+  every call again against its own tools and never re-parses `raw_text`.
+- Retries: a step is retried on connection errors, 429 and 503 with the same turn index, which the
+  server answers from its store if the step already ran, so nothing runs twice. A session create is
+  retried only when the request surely did not arrive (connect errors) or was refused (429, 503).
+- When the server stays unreachable, `InfraError` (ContainErrors and the episode runner mark the
+  episode infra_error); a session closed for its deadline ends the episode as "timeout".
+- The scripted policy (`demo`), `pick_task` and `generate_task` use a local copy of the env when the
+  same id is registered here; a seeded task the local copy picks is used only if its hash matches.
+
+This module needs httpx only (not FastAPI or uvicorn).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import ssl
+from dataclasses import asdict, dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from reflow.env import (
+    AssistantTurn,
+    Env,
+    EnvError,
+    InfraError,
+    Message,
+    Observation,
+    ResetNeeded,
+    StepResult,
+    Task,
+    Tool,
+    ToolError,
+    task_hash,
+)
+
+URL_ENV_VAR = "REFLOW_ENV_SERVER_URL"
+TOKEN_ENV_VAR = "REFLOW_SERVER_TOKEN"
+_CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
+_TRANSPORT_ERRORS = (httpx.TransportError,)
+
+
+class ServerError(RuntimeError):
+    """The server refused a request for a reason other than infrastructure (auth, a bad request)."""
+
+    def __init__(self, status: int, kind: str, code: str, message: str) -> None:
+        super().__init__(f"env server answered {status} {code} ({kind}): {message}")
+        self.status, self.kind, self.code, self.message = status, kind, code, message
+
+
+@cache
+def _ssl_context() -> ssl.SSLContext:
+    return ssl.create_default_context()  # ~40 ms: made once, not once per env
+
+
+def _missing(arguments: dict[str, Any], params: dict[str, Any]) -> list[str]:
+    return [k for k in params.get("required", []) if k not in arguments]
+
+
+@dataclass
+class RemoteTool(Tool):
+    """A served tool: its schema as the server gave it; names and argument keys are checked here."""
+
+    remote_schema: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def schema(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.remote_schema
+
+    def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        params = self.remote_schema.get("function", {}).get("parameters") or {}
+        props = params.get("properties")
+        problems = [f"{k}: Field required" for k in _missing(arguments, params)]
+        if isinstance(props, dict):
+            problems += [f"{k}: Extra inputs are not permitted" for k in arguments if k not in props]
+        if problems:
+            raise ToolError(f"bad arguments for {self.name}: {'; '.join(problems)}")
+        return dict(arguments)
+
+    @classmethod
+    def from_schema(cls, schema: dict[str, Any]) -> RemoteTool:
+        fn = schema.get("function", {})
+
+        def runs_on_the_server(**kwargs: Any) -> Any:
+            raise RuntimeError("a remote tool runs on the env server, through RemoteEnv.step")
+
+        return cls(fn.get("name", ""), fn.get("description", ""), runs_on_the_server, None, schema)  # type: ignore[arg-type]
+
+
+class RemoteEnv(Env):
+    metadata = {"remote": True}  # noqa: RUF012  (Env's convention)
+
+    def __init__(
+        self,
+        url: str | None = None,
+        env_id: str | None = None,
+        *,
+        token: str | None = None,
+        token_file: str | None = None,
+        env_kwargs: dict[str, Any] | None = None,
+        session_deadline_s: float | None = None,
+        request_timeout_s: float = 120.0,
+        retries: int = 5,
+        backoff_s: float = 0.1,
+        tasks: Any = None,
+    ) -> None:
+        """`url` (else $REFLOW_ENV_SERVER_URL) and `env_id` say what to play; the token comes from
+        `token`, `token_file` or $REFLOW_SERVER_TOKEN. `session_deadline_s` asks the server for a
+        session deadline (sandbox start included); `retries` bounds the retries of one request."""
+        super().__init__(None)
+        if tasks is not None:
+            raise ValueError("a remote env takes tasks on reset(task=...), not a tasks file")
+        self.url = (url or os.environ.get(URL_ENV_VAR, "")).rstrip("/")
+        self.remote_id = env_id
+        if token is None and token_file is not None:
+            token = Path(token_file).read_text(encoding="utf-8").strip()
+        self.token = token if token is not None else os.environ.get(TOKEN_ENV_VAR) or None
+        self.env_kwargs = dict(env_kwargs or {})
+        self.session_deadline_s = session_deadline_s
+        self.request_timeout_s, self.retries, self.backoff_s = request_timeout_s, retries, backoff_s
+        self.session_id: str | None = None
+        self.turn_index = 0
+        self.done = False
+        self.registry_id: str | None = None
+        self._client: httpx.AsyncClient | None = None
+        self._client_loop: asyncio.AbstractEventLoop | None = None
+        self._local_env: Env | None = None
+
+    # Records name the served env (reflow/Calc-v0), not the proxy; the registry id is kept aside.
+    @property  # type: ignore[override]
+    def spec_id(self) -> str | None:
+        return self.remote_id or self.registry_id
+
+    @spec_id.setter
+    def spec_id(self, value: str | None) -> None:
+        self.registry_id = value
+
+    # ---- the API -------------------------------------------------------------------------------------
+    async def reset(self, *, task: Task | None = None, seed: int | None = None) -> Observation:
+        if not self.url or not self.remote_id:
+            raise ValueError("RemoteEnv needs url= (or $REFLOW_ENV_SERVER_URL) and env_id=")
+        await self._delete_session()
+        self.rng = random.Random(seed)
+        body: dict[str, Any] = {"env_id": self.remote_id, "task": task, "seed": seed}
+        if self.session_deadline_s is not None:
+            body["deadline_s"] = self.session_deadline_s
+        if self.env_kwargs:
+            body["env_kwargs"] = self.env_kwargs
+        data = await self._request("POST", "/v1/sessions", body, retry_transport=False)
+        self.session_id, self.turn_index, self.done = data["session_id"], 0, False
+        obs = data["observation"]
+        self.tools = [RemoteTool.from_schema(s) for s in obs["tools"]]
+        self.task = task if task is not None else self._local_task(seed, obs["info"].get("task_hash"))
+        return Observation(obs["messages"], obs["tools"], obs["info"])
+
+    async def step(self, turn: AssistantTurn) -> StepResult:
+        if self.session_id is None or self.done:
+            raise ResetNeeded(f"step() on {self!r} needs a live session; call reset() first")
+        path = f"/v1/sessions/{self.session_id}/step"
+        try:
+            data = await self._request("POST", path, {"turn_index": self.turn_index, "turn": asdict(turn)})
+        except ServerError as e:
+            if e.code == "session_expired":  # the server's deadline for this session passed
+                self.done = True
+                info = {"status": "timeout", "termination": "deadline", "error": e.message}
+                return StepResult([], truncated=True, info=info)
+            if e.code in ("session_not_found", "session_closed"):  # restarted, reaped or shut down
+                raise InfraError(f"{self!r}: the server lost the session: {e.message}") from e
+            raise
+        self.turn_index += 1
+        result = StepResult(**data["result"])
+        self.done = result.done
+        return result
+
+    async def close(self) -> None:
+        try:
+            await self._delete_session()
+        finally:
+            client, self._client = self._client, None
+            if client is not None and self._client_loop is _running_loop():
+                await client.aclose()
+
+    # ---- scripted policy and tasks through a local copy ----------------------------------------------
+    def _local(self) -> Env | None:
+        if self._local_env is None and self.remote_id:
+            from reflow.env import make
+            from reflow.env.registration import env_ids
+
+            if self.remote_id in env_ids():
+                self._local_env = make(self.remote_id)
+        return self._local_env
+
+    def _local_task(self, seed: int | None, remote_hash: str | None) -> Task | None:
+        local = self._local() if seed is not None else None
+        if local is None:
+            return None
+        try:
+            task = local.pick_task(seed)
+        except Exception:
+            return None
+        return task if task_hash(task) == remote_hash else None
+
+    def demo(self, task: Task, messages: list[Message], rng: random.Random, error_rate: float = 0.0) -> str:
+        local = self._local()
+        if local is None:
+            raise NotImplementedError(f"{self.remote_id!r} is not registered here; no scripted policy")
+        return local.demo(task, messages, rng, error_rate)
+
+    def pick_task(self, seed: int | None) -> Task:
+        local = self._local()
+        if local is None:
+            raise NotImplementedError(f"{self.remote_id!r} is not registered here: pass tasks or seeds")
+        return local.pick_task(seed)
+
+    def generate_task(self, rng: random.Random) -> Task:
+        local = self._local()
+        if local is None:
+            raise NotImplementedError(f"{self.remote_id!r} is not registered here: pass tasks or seeds")
+        return local.generate_task(rng)
+
+    def validate_task(self, task: Task) -> None:
+        if not isinstance(task, dict):
+            raise ValueError(f"a task must be a dict, got {type(task).__name__}")
+
+    def __repr__(self) -> str:
+        return f"<RemoteEnv {self.remote_id or '?'} at {self.url or '?'}>"
+
+    # ---- HTTP ----------------------------------------------------------------------------------------
+    def client(self) -> httpx.AsyncClient:
+        loop = _running_loop()
+        if self._client is None or self._client_loop is not loop:  # a client is bound to its loop
+            headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+            self._client = httpx.AsyncClient(
+                base_url=self.url,
+                headers=headers,
+                timeout=httpx.Timeout(self.request_timeout_s, connect=10.0),
+                verify=_ssl_context() if self.url.startswith("https") else False,
+                limits=httpx.Limits(max_connections=4, max_keepalive_connections=1),
+            )
+            self._client_loop = loop
+        return self._client
+
+    async def _request(
+        self, method: str, path: str, body: dict[str, Any] | None = None, *, retry_transport: bool = True
+    ) -> dict[str, Any]:
+        """Send one request with retries; errors become InfraError, EnvError or ServerError."""
+        retryable = _TRANSPORT_ERRORS if retry_transport else _CONNECT_ERRORS
+        last: Exception | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                await asyncio.sleep(self._backoff(attempt, last))
+            try:
+                response = await self.client().request(method, path, json=body)
+            except retryable as e:
+                last = e
+                continue
+            except httpx.TransportError as e:
+                raise InfraError(f"{self!r}: {method} {path} failed: {type(e).__name__}: {e}") from e
+            if response.status_code in (429, 503):
+                last = _error_of(response)
+                continue
+            if response.status_code >= 400:
+                raise _error_of(response)
+            return response.json()
+        raise InfraError(
+            f"{self!r}: the env server did not answer {method} {path} after {self.retries + 1} tries: "
+            f"{type(last).__name__}: {last}"
+        ) from last
+
+    def _backoff(self, attempt: int, last: Exception | None) -> float:
+        after = getattr(last, "retry_after", None)
+        wait = after if after is not None else self.backoff_s * 2 ** (attempt - 1)
+        return min(wait, 10.0) * random.uniform(0.8, 1.2)
+
+    async def _delete_session(self) -> None:
+        session_id, self.session_id = self.session_id, None
+        if session_id is None or self._client_loop is not _running_loop():
+            return
+        with contextlib.suppress(httpx.HTTPError):  # the server's reaper closes what a lost delete leaves
+            await self.client().delete(f"/v1/sessions/{session_id}", timeout=5.0)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _error_of(response: httpx.Response) -> Exception:
+    try:
+        data = response.json()
+        kind, code, message = data["error_kind"], data["code"], data["message"]
+    except Exception:
+        kind, code, message = "infra", "bad_response", response.text[:300]
+    if kind == "infra":
+        error: Exception = InfraError(f"env server answered {response.status_code} {code}: {message}")
+    elif kind == "env":
+        error = EnvError(f"env server answered {response.status_code} {code}: {message}")
+    else:
+        error = ServerError(response.status_code, kind, code, message)
+    retry_after = response.headers.get("Retry-After", "")
+    error.retry_after = float(retry_after) if retry_after.replace(".", "", 1).isdigit() else None  # type: ignore[attr-defined]
+    return error

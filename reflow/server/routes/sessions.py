@@ -1,0 +1,79 @@
+"""`/v1/sessions`: create (reset), step (idempotent by turn index), get, delete (idempotent)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Path, Request, Response
+
+from reflow.server.routes import errors, json_response
+from reflow.server.schemas import (
+    CreateSession,
+    Deleted,
+    SessionBody,
+    SessionCreated,
+    StepRequest,
+    StepResponse,
+)
+from reflow.server.sessions import SessionManager
+
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+
+SessionId = Path(min_length=1, max_length=64, description="the id POST /v1/sessions returned")
+
+
+def _manager(request: Request) -> SessionManager:
+    return request.app.state.manager
+
+
+@router.post(
+    "",
+    status_code=201,
+    response_model=SessionCreated,
+    responses=errors(404, 429, 500, 503, 504),
+    summary="Create a session: make the env and reset it",
+)
+async def create_session(body: CreateSession, request: Request) -> Response:
+    manager = _manager(request)
+    session, observation = await manager.create(body)
+    return json_response({**manager.describe(session), "observation": observation}, 201)
+
+
+@router.post(
+    "/{session_id}/step",
+    response_model=StepResponse,
+    responses=errors(404, 409, 410),
+    summary="Play one assistant turn; a retry with the same turn_index returns the stored result",
+)
+async def step_session(body: StepRequest, request: Request, session_id: str = SessionId) -> Response:
+    manager = _manager(request)
+    result, replayed = await manager.step(
+        session_id, body.turn_index, body.turn.model_dump(), body.turn.to_turn()
+    )
+    state = manager.sessions[session_id].state if session_id in manager.sessions else "closed"
+    return json_response(
+        {
+            "session_id": session_id,
+            "turn_index": body.turn_index,
+            "state": state,
+            "replayed": replayed,
+            "result": result,
+        }
+    )
+
+
+@router.get(
+    "/{session_id}", response_model=SessionBody, responses=errors(404, 410), summary="A session's state"
+)
+async def get_session(request: Request, session_id: str = SessionId) -> Response:
+    manager = _manager(request)
+    return json_response(manager.describe(manager.lookup(session_id)))
+
+
+@router.delete(
+    "/{session_id}",
+    response_model=Deleted,
+    responses=errors(404),
+    summary="Close a session and release its env (idempotent)",
+)
+async def delete_session(request: Request, session_id: str = SessionId) -> Response:
+    reason = await _manager(request).delete(session_id)
+    return json_response({"session_id": session_id, "state": "closed", "reason": reason})

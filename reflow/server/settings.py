@@ -1,0 +1,75 @@
+"""The env server's settings: its limits, which envs it serves, and its bearer token."""
+
+from __future__ import annotations
+
+import os
+import stat
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TOKEN_ENV_VAR = "REFLOW_SERVER_TOKEN"
+MIN_TOKEN_CHARS = 16
+
+
+@dataclass
+class ServerSettings:
+    """Everything `create_app` needs. Times are seconds; `token=None` with `no_auth=True` serves anyone."""
+
+    token: str | None = None
+    no_auth: bool = False
+    max_sessions: int = 256
+    """Live sessions (creating, ready or stepping) at once; one more gets 429 with Retry-After."""
+    max_body_bytes: int = 1 << 20
+    step_timeout_s: float = 60.0
+    """One step may take this long; past it the episode ends with status "timeout"."""
+    default_deadline_s: float = 600.0
+    """Wall-clock budget of a session from its creation (sandbox start included) when it asks for none."""
+    max_deadline_s: float = 3600.0
+    idle_timeout_s: float = 300.0
+    """A session nobody touched for this long is closed and its env (and sandbox) released."""
+    reaper_interval_s: float = 5.0
+    retry_after_s: int = 1
+    ended_kept: int = 4096
+    """Finished sessions whose last results are kept for retries; older ones are forgotten first."""
+    shutdown_grace_s: float = 10.0
+    """On shutdown, in-flight steps get this long to finish before they are cancelled."""
+    env_ids: list[str] | None = None
+    """Envs to serve (None: every registered env that runs here)."""
+    env_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Constructor kwargs per env id, set by whoever runs the server."""
+    client_env_kwargs: frozenset[str] = frozenset()
+    """Constructor kwargs a client may set when it creates a session (none by default: a kwarg such as
+    PyCode's `sandbox` or a `tasks` file path is the operator's decision, not the client's)."""
+
+    def __post_init__(self) -> None:
+        if self.token is None and not self.no_auth:
+            raise ValueError(f"no token: give one (a file or ${TOKEN_ENV_VAR}) or run with no_auth=True")
+        if self.max_sessions < 1 or self.max_body_bytes < 1024:
+            raise ValueError("max_sessions must be >= 1 and max_body_bytes >= 1024")
+        for name in ("step_timeout_s", "default_deadline_s", "max_deadline_s", "idle_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        self.client_env_kwargs = frozenset(self.client_env_kwargs)
+
+
+def load_token(token_file: str | Path | None = None) -> str | None:
+    """The token from `token_file`, else from $REFLOW_SERVER_TOKEN, else None.
+
+    A short token is refused; a token file that others can read is allowed with a warning.
+    """
+    if token_file is not None:
+        path = Path(token_file)
+        token = path.read_text(encoding="utf-8").strip()
+        if path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            warnings.warn(f"token file {path} is readable by others (chmod 600 it)", stacklevel=2)
+        source = str(path)
+    else:
+        token = os.environ.get(TOKEN_ENV_VAR, "").strip()
+        source = f"${TOKEN_ENV_VAR}"
+        if not token:
+            return None
+    if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
+        raise ValueError(f"the token in {source} must be at least {MIN_TOKEN_CHARS} characters, no spaces")
+    return token
