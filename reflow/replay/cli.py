@@ -136,8 +136,8 @@ def print_stats(stats: dict[str, Any]) -> None:
         )
     console.print(by_version)
 
-    reuse = Table(title="reuse (times a trainer step consumed a group)")
-    reuse.add_column("consumed")
+    reuse = Table(title="reuse")
+    reuse.add_column("times consumed")
     reuse.add_column("groups")
     for times, n in s["reuse_histogram"].items():
         reuse.add_row(str(times), str(n))

@@ -93,16 +93,19 @@ class ReplayStore:
             )
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA foreign_keys=ON")
-        with self._write():
-            for statement in statements():
-                self._db.execute(statement)
-            version = self._db.execute("PRAGMA user_version").fetchone()[0]
-            if version == 0:
+        try:
+            with self._write():
+                for statement in statements():
+                    self._db.execute(statement)
+                version = self._db.execute("PRAGMA user_version").fetchone()[0]
+                if version > SCHEMA_VERSION:
+                    raise RuntimeError(
+                        f"{self.path}: replay schema {version}, this ReFlow reads {SCHEMA_VERSION}"
+                    )
                 self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-            elif version > SCHEMA_VERSION:
-                raise RuntimeError(
-                    f"{self.path} has replay schema {version}; this ReFlow reads {SCHEMA_VERSION}"
-                )
+        except BaseException:
+            self._db.close()
+            raise
 
     # ---- transactions
 
@@ -117,10 +120,11 @@ class ReplayStore:
                 self._db.execute("BEGIN IMMEDIATE")
                 try:
                     yield self._db
+                    self._db.execute("COMMIT")
                 except BaseException:
-                    self._db.execute("ROLLBACK")
+                    if self._db.in_transaction:  # also when COMMIT itself failed (disk full, I/O error)
+                        self._db.execute("ROLLBACK")
                     raise
-                self._db.execute("COMMIT")
             finally:
                 if not durable:
                     self._db.execute("PRAGMA synchronous=FULL")
@@ -158,16 +162,8 @@ class ReplayStore:
         spread = reward_spread(episodes)
         blobs = [(e, encode_record(e, self.compress)) for e in episodes]  # CPU work outside the lock
         created_at = time.time()
-        group_row = (
-            self.run,
-            group_id,
-            version,
-            len(episodes),
-            spread,
-            dumps(advantages),
-            created_at,
-            dumps(meta),
-        )
+        adv_json, meta_json = dumps(advantages), dumps(meta)
+        group_row = (self.run, group_id, version, len(episodes), spread, adv_json, created_at, meta_json)
         with self._write() as db:
             try:
                 cur = db.execute(
