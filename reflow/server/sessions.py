@@ -354,14 +354,22 @@ class SessionManager:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         running = [s.inflight[2] for s in self.sessions.values() if s.inflight is not None]
+        pending: set[asyncio.Task[dict[str, Any]]] = set()
         if running:
             _, pending = await asyncio.wait(running, timeout=self.settings.shutdown_grace_s)
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+        live = sum(s.env is not None for s in self.sessions.values())
         for s in list(self.sessions.values()):
             self._forget(s, "shutdown")
             await self._release(s)
+        log.info(
+            "shutdown: released %d live sessions; %d in-flight steps finished, %d cancelled",
+            live,
+            len(running) - len(pending),
+            len(pending),
+        )
 
 
 def _timeout(deadline: bool, step_timeout_s: float) -> StepResult:
