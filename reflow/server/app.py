@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
@@ -25,19 +25,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from reflow.env import make
 from reflow.env.registration import spec_kwargs
-from reflow.server.auth import require_token
-from reflow.server.routes import capacity, envs, health, sessions
+from reflow.server.auth import TokenGate, bearer
+from reflow.server.routes import capacity, envs, error_response, health, sessions
 from reflow.server.schemas import ApiError
 from reflow.server.sessions import SessionManager, served_env_ids
 from reflow.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
-
-
-def error_response(
-    status: int, kind: str, code: str, message: str, headers: dict[str, str] | None = None
-) -> JSONResponse:
-    return JSONResponse({"error_kind": kind, "code": code, "message": message}, status, headers=headers)
 
 
 class BodyLimit:
@@ -129,7 +123,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     )
     app.state.settings = settings
 
-    auth = [Depends(require_token)]
+    auth = [Security(bearer)]  # enforced by TokenGate; declared here for the OpenAPI document
     app.include_router(health.router)
     for module in (sessions, envs, capacity):
         app.include_router(module.router, dependencies=auth)
@@ -140,6 +134,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     _add_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    if settings.token is not None:
+        app.add_middleware(TokenGate, token=settings.token)  # added last: runs first
     return app
 
 

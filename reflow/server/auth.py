@@ -1,29 +1,29 @@
-"""Bearer-token auth: every route but health asks for `Authorization: Bearer <token>`.
+"""Bearer-token auth: every route but `/healthz` asks for `Authorization: Bearer <token>`.
 
-401 when the header is missing or malformed, 403 when the token is wrong; the comparison takes the
-same time however much of the token matches (`hmac.compare_digest`).
+`TokenGate` checks the header before anything else runs (routing, body parsing), so a client without
+the token learns nothing but 401 (header missing or malformed) or 403 (wrong token). The comparison
+takes the same time however much of the token matches (`hmac.compare_digest`). `bearer` is the
+scheme the routes declare, so the OpenAPI document says what to send.
 """
 
 from __future__ import annotations
 
 import hmac
-from typing import Annotated
 
-from fastapi import Request, Security
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from reflow.server.routes import error_response
 from reflow.server.schemas import ApiError
 
 bearer = HTTPBearer(auto_error=False, description="the token the server was started with")
+OPEN_PATHS = frozenset({"/healthz"})
 
 
-async def require_token(
-    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]
-) -> None:
-    token: str | None = request.app.state.settings.token
-    if token is None:  # started with --no-auth (loopback only)
-        return
-    if credentials is None or not credentials.credentials:
+def check_token(header: bytes | None, token: bytes) -> None:
+    """Raise ApiError 401/403 unless `header` is `Bearer <token>`."""
+    scheme, _, given = (header or b"").partition(b" ")
+    if scheme.lower() != b"bearer" or not given.strip():
         raise ApiError(
             401,
             "agent",
@@ -31,7 +31,24 @@ async def require_token(
             "missing or malformed Authorization header; send 'Authorization: Bearer <token>'",
             {"WWW-Authenticate": "Bearer"},
         )
-    if not hmac.compare_digest(credentials.credentials.encode(), token.encode()):
+    if not hmac.compare_digest(given.strip(), token):
         raise ApiError(
             403, "agent", "forbidden", "wrong token", {"WWW-Authenticate": 'Bearer error="invalid_token"'}
         )
+
+
+class TokenGate:
+    """ASGI middleware: 401/403 for any request but health that lacks the right bearer token."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app, self.token = app, token.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            try:
+                check_token(header, self.token)
+            except ApiError as e:
+                await error_response(e.status, e.kind, e.code, e.message, e.headers)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

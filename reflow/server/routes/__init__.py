@@ -6,10 +6,12 @@ import json
 from typing import Any
 
 from fastapi import Response
+from fastapi.responses import JSONResponse
 
 from reflow.server.schemas import ErrorBody
 
 _DESCRIPTIONS = {
+    400: "a body that cannot be read as JSON text",
     401: "missing or malformed bearer token",
     403: "wrong token, or a client env kwarg the server does not allow",
     404: "unknown session or env",
@@ -28,10 +30,16 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses` for these error statuses, each with the error body."""
     return {
         code: {"model": ErrorBody, "description": _DESCRIPTIONS[code]}
-        for code in (401, 403, 413, 422, *codes)
+        for code in (400, 401, 403, 413, 422, *codes)
     }
 
 
 def json_response(data: Any, status_code: int = 200) -> Response:
     """A JSON response without a second validation pass (the hot path of a step)."""
     return Response(json.dumps(data, default=str), status_code=status_code, media_type="application/json")
+
+
+def error_response(
+    status: int, kind: str, code: str, message: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse({"error_kind": kind, "code": code, "message": message}, status, headers=headers)
