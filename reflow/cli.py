@@ -178,10 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="also print the summaries as one JSON line")
     p.set_defaults(fn=cmd_envs_play)
 
-    from reflow.recipes import rollout, warmstart
+    from reflow.recipes import rollout, train_cli, warmstart
 
     rollout.add_parser(sub)
     warmstart.add_parser(sub)
+    train_cli.add_parser(sub)
 
     from reflow.sandbox.cli import add_sandbox_commands  # `reflow sandbox ...` (issue F2)
 

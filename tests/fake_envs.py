@@ -13,6 +13,7 @@ TEST_ENVS = {
     "test/Crashy-v0": ("fake_envs:CrashyEnv", {}),
     "test/Slow-v0": ("fake_envs:SlowEnv", {}),
     "test/Echo-v0": ("fake_envs:EchoEnv", {}),
+    "test/Parity-v0": ("fake_envs:ParityEnv", {}),
 }
 
 
@@ -91,3 +92,19 @@ class SlowEnv(Env):
     async def step(self, turn: AssistantTurn) -> StepResult:
         await asyncio.sleep(self.step_s)
         return StepResult([{"role": "user", "content": "ok"}])
+
+
+class ParityEnv(Env):
+    """One turn; reward 1 when the reply has an even number of characters. Even an untrained model
+    gets both rewards within a group, so RL tests have a learning signal without a warm start."""
+
+    async def reset(self, *, task: Task | None = None, seed: int | None = None) -> Observation:
+        self.task = task or self.pick_task(seed)
+        return Observation([{"role": "user", "content": "Say something."}])
+
+    def generate_task(self, rng: random.Random) -> Task:
+        return {"id": f"parity-{rng.randint(0, 10**9)}"}
+
+    async def step(self, turn: AssistantTurn) -> StepResult:
+        even = len(turn.content) % 2 == 0
+        return StepResult.final(even, termination="answered", components={"even": float(even)})

@@ -133,6 +133,21 @@ def _mid_import(module_name: str) -> bool:
     return module is not None and bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
 
 
+def load_env_plugin(spec: str) -> None:
+    """Import a module that registers envs, and call its registration function when `spec` names one
+    ("my_pkg.envs:register_envs", the same form as a `reflow.envs` entry point). For envs registered
+    by code that is not an installed entry point: a run config lists them so every worker loads them."""
+    module_name, _, attr = spec.partition(":")
+    module = importlib.import_module(module_name)
+    if attr:
+        target = getattr(module, attr, None)
+        if not callable(target):
+            raise ValueError(f"{spec!r}: {module_name} has no callable {attr!r}")
+        with warnings.catch_warnings():  # loading a plugin twice re-registers the same ids
+            warnings.filterwarnings("ignore", message=".*Overriding environment.*")
+            target()
+
+
 def discover(force: bool = False) -> list[DiscoveryError]:
     """Load every `reflow.envs` entry point once. A broken plugin is reported, never fatal."""
     global _discovered, _deferred

@@ -13,54 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from reflow.engine import Engine, SamplingParams
-from reflow.env import make
-from reflow.env.play import episode_stats
 from reflow.records import EpisodeRecord
-from reflow.rollout.episode import EpisodeRunner, RolloutConfig, run_group
-
-EVAL_SEED_BASE = 1_000_000
-"""Held-out tasks use seeds from here on; training draws its seeds below it."""
-
-
-async def collect(
-    runner: EpisodeRunner,
-    env_id: str,
-    episodes: int,
-    *,
-    group_size: int = 1,
-    seed: int = 0,
-    concurrency: int = 32,
-    env_kwargs: dict[str, Any] | None = None,
-) -> list[EpisodeRecord]:
-    """`episodes` episodes in groups of `group_size` (task seed = seed + group index), `concurrency`
-    episodes in flight at once on the runner's engine."""
-    n_groups = max(1, episodes // group_size)
-    limit = asyncio.Semaphore(max(1, concurrency // group_size))
-
-    async def one(g: int) -> list[EpisodeRecord]:
-        async with limit:
-            return await run_group(
-                runner, lambda: make(env_id, **(env_kwargs or {})), group_size, seed=seed + g
-            )
-
-    groups = await asyncio.gather(*(one(g) for g in range(n_groups)))
-    return [rec for group in groups for rec in group]
-
-
-def summarize(records: list[EpisodeRecord], seconds: float) -> dict[str, Any]:
-    stats = episode_stats(
-        [r.success for r in records],
-        [r.reward for r in records],
-        [r.n_turns for r in records],
-        [r.status for r in records],
-    )
-    generated = sum(r.n_generated_tokens for r in records)
-    return {
-        **stats,
-        "generated_tokens": generated,
-        "generated_tokens_per_s": generated / seconds if seconds > 0 else 0.0,
-        "seconds": seconds,
-    }
+from reflow.rollout.collect import EVAL_SEED_BASE, collect, summarize
+from reflow.rollout.episode import EpisodeRunner, RolloutConfig
 
 
 def write_records(records: list[EpisodeRecord], path: str | Path) -> None:
@@ -92,24 +47,6 @@ def make_engine(model_name: str, max_batch_size: int = 32) -> tuple[Engine, Any]
 
     model, tokenizer = load_model(model_name)
     return TorchEngine(model, tokenizer, max_batch_size=max_batch_size), tokenizer
-
-
-async def evaluate(
-    engine: Engine,
-    tokenizer: Any,
-    env_id: str,
-    episodes: int,
-    *,
-    greedy: bool = True,
-    seed: int = EVAL_SEED_BASE,
-    max_new_tokens: int = 128,
-) -> dict[str, Any]:
-    """Success on a fixed held-out task set (seeds from EVAL_SEED_BASE), greedy by default."""
-    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0 if greedy else 1.0)
-    runner = EpisodeRunner(engine, tokenizer, RolloutConfig(sampling=sampling))
-    start = time.monotonic()
-    records = await collect(runner, env_id, episodes, seed=seed)
-    return summarize(records, time.monotonic() - start)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

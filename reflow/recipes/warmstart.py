@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from reflow.env import make, play_episode, scripted_policy
-from reflow.recipes.rollout import evaluate
 from reflow.records import Segment
+from reflow.rollout.collect import evaluate
 from reflow.rollout.episode import EpisodeRunner
 
 

@@ -1,1 +1,4 @@
-"""Training: warm-start SFT now; losses, the RL trainer, checkpoints and weight sync come with F4."""
+"""Training: warm-start SFT (`sft`), GRPO advantages (`advantages`), the policy losses (`losses`),
+per-token log-probs (`logprobs`), the RL trainer with FSDP2 across ranks (`trainer`), stored groups to
+rows (`batch`) and checkpoints (`checkpoint`). Imports the replay store and the model, never envs or
+engines."""

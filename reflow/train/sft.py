@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from reflow.records import Segment
+from reflow.train.prefix import shared_prefix_len, suffix_logits
 
 
 @dataclass
@@ -53,14 +54,16 @@ class SFTReport:
     evals: list[dict[str, Any]] = field(default_factory=list)
 
 
-def pack_batches(rows: Sequence[Segment], batch_tokens: int, rng: random.Random) -> list[list[Segment]]:
-    """Group rows of similar length (little padding) so that rows x longest stays within
-    `batch_tokens`; the batch order is shuffled."""
+def pack_batches(
+    rows: Sequence[Segment], batch_tokens: int, rng: random.Random, shared: int = 0
+) -> list[list[Segment]]:
+    """Group rows of similar length (little padding) so that the padded tokens of a batch stay within
+    `batch_tokens`, counting a `shared` prefix once per batch; the batch order is shuffled."""
     order = sorted(rows, key=lambda r: (len(r.token_ids), rng.random()))
     batches: list[list[Segment]] = []
     current: list[Segment] = []
     for row in order:  # ascending length: the row being added is the longest so far
-        if current and len(row.token_ids) * (len(current) + 1) > batch_tokens:
+        if current and shared + (len(row.token_ids) - shared) * (len(current) + 1) > batch_tokens:
             batches.append(current)
             current = []
         current.append(row)
@@ -71,19 +74,11 @@ def pack_batches(rows: Sequence[Segment], batch_tokens: int, rng: random.Random)
 
 
 def masked_nll(model: torch.nn.Module, batch: list[Segment], pad_id: int) -> tuple[torch.Tensor, int]:
-    """Mean next-token loss over the tokens with mask 1, and how many there were."""
-    length = max(len(r.token_ids) for r in batch)
-    ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), length), dtype=torch.long)
-    attn = torch.zeros((len(batch), length), dtype=torch.long)
-    for i, row in enumerate(batch):
-        n = len(row.token_ids)
-        ids[i, :n] = torch.tensor(row.token_ids)
-        mask[i, :n] = torch.tensor(row.loss_mask)
-        attn[i, :n] = 1
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-    targets, target_mask = ids[:, 1:], mask[:, 1:].bool()
-    loss = F.cross_entropy(logits[target_mask], targets[target_mask])
+    """Mean next-token loss over the tokens with mask 1, and how many there were (a shared prefix of
+    the batch runs once: `reflow.train.prefix`)."""
+    logits, ids, mask = suffix_logits(model, batch, pad_id, shared_prefix_len(batch))
+    targets, target_mask = ids[:, 1:], mask[:, 1:]
+    loss = F.cross_entropy(logits[:, :-1].float()[target_mask], targets[target_mask])
     return loss, int(target_mask.sum())
 
 
@@ -123,7 +118,7 @@ def sft_train(
     batches: list[list[Segment]] = []
     while report.steps < cfg.max_steps and time.monotonic() - start < cfg.max_seconds:
         if not batches:
-            batches = pack_batches(rows, cfg.batch_tokens, rng)
+            batches = pack_batches(rows, cfg.batch_tokens, rng, shared_prefix_len(rows))
         batch = batches.pop()
         for group in opt.param_groups:
             group["lr"] = lr_at(report.steps)

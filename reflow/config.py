@@ -1,0 +1,224 @@
+"""Run configuration for `reflow agent-train`: one pydantic model, loaded from YAML plus overrides.
+
+    cfg = load_config("configs/calc-tiny.yaml", ["train.lr=3e-4", "rollout.group_size=4"])
+
+Unknown keys, wrong types and a missing or unregistered env are errors that name the offending key
+(`ConfigError`), never a silent default. Overrides use dotted keys; values are parsed as YAML scalars,
+so `train.lr=3e-4`, `warmstart.enabled=false` and `env.kwargs={max_steps: 2}` all work.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with every offending key in the message."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class EnvSection(_Section):
+    plugins: list[str] = Field(
+        default_factory=list,
+        description="modules (or module:function) that register envs, loaded in every worker first",
+    )
+    id: str = Field(description="a registered env id, e.g. reflow/Calc-v0")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="constructor kwargs for the env")
+
+    @model_validator(mode="after")
+    def _registered(self) -> EnvSection:
+        from reflow.env import env_ids
+        from reflow.env.registration import load_env_plugin
+
+        for spec in self.plugins:
+            try:
+                load_env_plugin(spec)
+            except Exception as e:
+                raise ValueError(f"env plugin {spec!r} failed to load: {type(e).__name__}: {e}") from None
+        if self.id not in env_ids():
+            known = ", ".join(env_ids())
+            raise ValueError(f"env {self.id!r} is not registered (registered: {known})")
+        return self
+
+
+class WarmstartSection(_Section):
+    """Supervised warm-start on the env's scripted demonstrations before RL (`reflow warmstart`)."""
+
+    enabled: bool = True
+    demos: int = Field(600, gt=0)
+    error_rate: float = Field(0.1, ge=0.0, le=1.0)
+    seconds: float = Field(200.0, gt=0)
+    max_steps: int = Field(2000, gt=0)
+    lr: float = Field(3e-3, gt=0)
+    batch_tokens: int = Field(4096, gt=0)
+    demo_env_kwargs: dict[str, Any] = Field(default_factory=dict, description="a curriculum for the demos")
+    cache: bool = Field(True, description="reuse a warm-start built earlier with identical settings")
+
+
+class RolloutSection(_Section):
+    group_size: int = Field(8, ge=2, description="episodes per task (a GRPO group)")
+    groups_per_step: int = Field(8, gt=0, description="groups with reward spread wanted per train step")
+    max_resample_rounds: int = Field(
+        2, ge=0, description="extra generation rounds when too many groups have zero spread (DAPO)"
+    )
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    max_new_tokens: int = Field(128, gt=0, description="per turn")
+    max_context_tokens: int = Field(4096, gt=0)
+    max_generated_tokens: int = Field(2048, gt=0, description="per episode")
+    max_turns: int = Field(16, gt=0)
+    episode_deadline_s: float | None = Field(None, gt=0)
+    max_batch_size: int = Field(64, gt=0, description="concurrent sequences per engine")
+
+
+class LossSection(_Section):
+    kind: Literal["decoupled_ppo", "tis"] = "decoupled_ppo"
+    clip_eps: float = Field(0.2, gt=0)
+    clip_eps_high: float = Field(0.28, gt=0)
+    behav_weight_cap: float = Field(5.0, gt=0)
+    tis_cap: float = Field(2.0, gt=0)
+
+
+class TrainSection(_Section):
+    steps: int = Field(100, gt=0)
+    seconds: float | None = Field(None, gt=0, description="wall-clock budget of the RL phase")
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    micro_batch_tokens: int = Field(16384, gt=0, description="padded tokens per forward/backward")
+    advantage_scale: Literal["std", "none"] = "std"
+    bf16: bool | None = Field(
+        None, description="bf16 autocast (None: where the CPU has bf16 units or on GPU)"
+    )
+    loss: LossSection = Field(default_factory=LossSection)
+    checkpoint_every: int = Field(5, gt=0)
+    keep_checkpoints: int = Field(2, gt=0)
+
+
+class EvalSection(_Section):
+    every: int = Field(
+        10, ge=0, description="steps between greedy held-out evaluations (0: only at the ends)"
+    )
+    episodes: int = Field(100, ge=0)
+    max_new_tokens: int = Field(128, gt=0)
+
+
+class ResourcesSection(_Section):
+    ray_address: str | None = Field(None, description="a Ray cluster address; None starts Ray locally")
+    slots: list[Literal["rollout", "train"]] = Field(
+        default_factory=lambda: ["rollout", "train"], description="one role per device slot"
+    )
+    device: Literal["cpu", "cuda"] = "cpu"
+    threads_per_slot: int | None = Field(
+        None, gt=0, description="torch threads per actor (None: all cores in sync mode, as phases alternate)"
+    )
+
+    @field_validator("slots")
+    @classmethod
+    def _both_roles(cls, value: list[str]) -> list[str]:
+        for role in ("rollout", "train"):
+            if role not in value:
+                raise ValueError(f"slots need at least one {role!r} slot, got {value}")
+        return value
+
+
+class RunConfig(_Section):
+    run_name: str = "run"
+    mode: Literal["sync"] = "sync"
+    seed: int = 0
+    out_dir: str = "runs"
+    model: str = Field("tiny", description="a preset (tiny, smollm2-135m) or a local HF folder")
+    model_overrides: dict[str, Any] = Field(
+        default_factory=dict, description="config overrides for a preset, e.g. {num_hidden_layers: 3}"
+    )
+    env: EnvSection
+    warmstart: WarmstartSection = Field(default_factory=WarmstartSection)
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    resources: ResourcesSection = Field(default_factory=ResourcesSection)
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunConfig:
+        if self.rollout.max_new_tokens > self.rollout.max_context_tokens:
+            raise ValueError("rollout.max_new_tokens cannot exceed rollout.max_context_tokens")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.out_dir) / self.run_name
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} is not key=value (e.g. train.lr=3e-4)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from None
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set dotted keys in a nested dict (creating sections as needed)."""
+    for item in overrides:
+        path, value = _parse_override(item)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def _describe(error: ValidationError) -> str:
+    lines = []
+    for err in error.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key")
+        elif err["type"] == "missing":
+            lines.append(f"  {key}: missing (required)")
+        else:
+            lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r})")
+    return "\n".join(lines)
+
+
+def validate_config(data: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"invalid config:\n{_describe(e)}") from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML config (or start empty when `path` is None), apply overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        data = loaded or {}
+    return validate_config(apply_overrides(data, list(overrides or [])))
+
+
+def dump_config(config: RunConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,154 @@
+"""What a training run reports: metrics to JSONL and TensorBoard, a live rich display, the final summary
+table and PNG plots of held-out success against wall-clock time and generated tokens.
+
+Every record is one JSON object per line in `<run_dir>/metrics.jsonl` with a `kind` ("step", "eval",
+"warmstart", "summary"); TensorBoard scalars go to `<run_dir>/tb/`. A resumed run appends to both.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+STEP_COLUMNS = (
+    ("step", "step", "{:.0f}"),
+    ("reward", "reward_mean", "{:.3f}"),
+    ("success", "success_rate", "{:.2f}"),
+    ("held-out", "heldout_success", "{:.2f}"),
+    ("zero-spread", "zero_spread_share", "{:.2f}"),
+    ("gen tok/s", "generated_tokens_per_s", "{:.0f}"),
+    ("rollout s", "rollout_s", "{:.1f}"),
+    ("train s", "train_s", "{:.1f}"),
+    ("sync s", "sync_s", "{:.2f}"),
+    ("entropy", "entropy", "{:.3f}"),
+)
+
+
+class RunLog:
+    def __init__(self, run_dir: str | Path, console: Console | None = None, live: bool = True) -> None:
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "metrics.jsonl"
+        self.console = console or Console()
+        self.rows: list[dict[str, Any]] = []
+        self.heldout: float | None = None
+        self._tb = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.dir / "tb"))
+        except ImportError:  # tensorboard is in the `train` extra; JSONL still has everything
+            self.console.print("[yellow]tensorboard not installed: metrics go to JSONL only[/yellow]")
+        self._live = Live(self._table(), console=self.console, refresh_per_second=2) if live else None
+        if self._live and self.console.is_terminal:
+            self._live.start()
+        else:
+            self._live = None
+
+    def write(self, kind: str, record: dict[str, Any]) -> None:
+        row = {"kind": kind, "time": time.time(), **record}
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row, default=float) + "\n")
+        if self._tb is not None and "step" in record:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self._tb.add_scalar(f"{kind}/{key}", value, int(record["step"]))
+            self._tb.flush()
+
+    def step(self, record: dict[str, Any]) -> None:
+        self.write("step", record)
+        self.rows.append({**record, "heldout_success": self.heldout})
+        if self._live:
+            self._live.update(self._table())
+        else:
+            cols = [
+                f"{name} {fmt.format(record[key])}"
+                for name, key, fmt in STEP_COLUMNS
+                if record.get(key) is not None
+            ]
+            self.console.print(" | ".join(cols))
+
+    def eval(self, record: dict[str, Any]) -> None:
+        self.heldout = record["success_rate"]
+        self.write("eval", record)
+        self.console.print(
+            f"[bold]held-out[/bold] step {record['step']}: success {record['success_rate']:.3f} "
+            f"({record['episodes']} greedy episodes, {record['wall_s']:.0f}s into the run)"
+        )
+
+    def _table(self) -> Table:
+        table = Table(title="reflow agent-train", expand=False)
+        for name, _, _ in STEP_COLUMNS:
+            table.add_column(name, justify="right")
+        for row in self.rows[-12:]:
+            table.add_row(
+                *(fmt.format(row[k]) if row.get(k) is not None else "-" for _, k, fmt in STEP_COLUMNS)
+            )
+        return table
+
+    def close(self) -> None:
+        if self._live:
+            self._live.stop()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(run_dir: str | Path, kind: str | None = None) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if kind is None or r["kind"] == kind]
+
+
+def summary_table(summary: dict[str, Any]) -> Table:
+    table = Table(title="run summary")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in summary.items():
+        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    return table
+
+
+def plot_run(run_dir: str | Path) -> list[Path]:
+    """success_vs_time.png and success_vs_tokens.png from the run's metrics (held-out and training)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    evals, steps = read_metrics(run_dir, "eval"), read_metrics(run_dir, "step")
+    out = []
+    for x_key, label, name in (
+        ("wall_s", "wall-clock seconds", "success_vs_time.png"),
+        ("generated_tokens", "generated tokens", "success_vs_tokens.png"),
+    ):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        if evals:
+            ax.plot(
+                [e[x_key] for e in evals], [e["success_rate"] for e in evals], "o-", label="held-out (greedy)"
+            )
+        if steps:
+            ax.plot(
+                [s[x_key] for s in steps],
+                [s["success_rate"] for s in steps],
+                alpha=0.5,
+                label="training (sampled)",
+            )
+        ax.set_xlabel(label)
+        ax.set_ylabel("success rate")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(run_dir / name, dpi=100)
+        plt.close(fig)
+        out.append(run_dir / name)
+    return out

@@ -1,0 +1,47 @@
+"""`reflow agent-train` on the command line: config file, overrides, `--resume`. The loop itself is
+`reflow.recipes.agent_train.train` (imported only when the command runs: it needs Ray and torch)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from reflow.config import ConfigError, load_config
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("agent-train", help="warm-start then RL-train an agent on an env (Ray)")
+    p.add_argument("--config", help="a YAML run config (configs/*.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.lr=3e-4")
+    p.add_argument("--resume", metavar="RUN", help="a run folder (or a name under runs/) to continue")
+    p.set_defaults(fn=cmd_agent_train)
+
+
+def resolve_run(run: str) -> Path:
+    path = Path(run)
+    if (path / "config.yaml").is_file():
+        return path
+    if (Path("runs") / run / "config.yaml").is_file():
+        return Path("runs") / run
+    raise ConfigError(f"no run to resume at {run!r} (expected a folder with config.yaml)")
+
+
+def cmd_agent_train(args: argparse.Namespace) -> int:
+    from reflow.cli import console
+
+    try:
+        if args.resume:
+            run_dir = resolve_run(args.resume)
+            config = load_config(run_dir / "config.yaml", args.overrides)
+            config.out_dir, config.run_name = str(run_dir.parent), run_dir.name
+        else:
+            if not args.config:
+                raise ConfigError("give --config FILE (see configs/) or --resume RUN")
+            config = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        console.print(f"[red]{e}[/red]")
+        return 2
+    from reflow.recipes.agent_train import train
+
+    train(config, resume=bool(args.resume), console=console)
+    return 0

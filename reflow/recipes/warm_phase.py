@@ -1,0 +1,89 @@
+"""The model a run starts from: the last checkpoint (resume), a warm-started policy, or the configured
+model as it is.
+
+A warm start is cached under `$REFLOW_CACHE_DIR/warmstart/<hash>` (default `~/.cache/reflow`), keyed on
+everything that shapes it (env, model, overrides, warm-start settings, seed, tiny-builder version), so
+runs that differ only in RL settings reuse it; `warmstart.cache: false` always trains a new one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from reflow.config import RunConfig
+from reflow.models.presets import cache_dir, resolve_model_path
+from reflow.recipes.warmstart import warmstart
+
+if TYPE_CHECKING:
+    from reflow.recipes.agent_train import RunState
+    from reflow.recipes.run_log import RunLog
+
+
+def warmstart_key(config: RunConfig) -> str:
+    from reflow.models.tiny import BUILDER_VERSION
+
+    blob = {
+        "env": config.env.model_dump(),
+        "model": config.model,
+        "overrides": config.model_overrides,
+        "warmstart": config.warmstart.model_dump(exclude={"cache"}),
+        "seed": config.seed,
+        "builder": BUILDER_VERSION,
+    }
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def run_warmstart(config: RunConfig, log: RunLog) -> str:
+    ws = config.warmstart
+    out = cache_dir().parent / "warmstart" / warmstart_key(config)
+    if ws.cache and (out / "warmstart.json").is_file():
+        log.console.print(f"warm start: reusing {out}")
+        log.write("warmstart", {**json.loads((out / "warmstart.json").read_text()), "cached": True})
+        return str(out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    log.console.print(
+        f"warm start: SFT on {ws.demos} scripted {config.env.id} episodes (≤ {ws.seconds:.0f}s)"
+    )
+    summary = warmstart(
+        config.env.id,
+        config.model,
+        tmp,
+        demos=ws.demos,
+        error_rate=ws.error_rate,
+        seconds=ws.seconds,
+        max_steps=ws.max_steps,
+        lr=ws.lr,
+        batch_tokens=ws.batch_tokens,
+        model_config=config.model_overrides or None,
+        demo_env_kwargs=ws.demo_env_kwargs or None,
+        eval_episodes=0,  # the RL loop's step-0 evaluation measures the warm-start level
+        seed=config.seed,
+        log=lambda msg: log.console.print(f"  {msg}"),
+    )
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    log.write("warmstart", {**summary, "model": str(out), "cached": False})
+    return str(out)
+
+
+def prepare_model(
+    config: RunConfig, run_dir: Path, log: RunLog, *, resume: bool
+) -> tuple[str, RunState, Path | None]:
+    """(model path for the actors, the starting run state, the checkpoint to restore or None)."""
+    from reflow.recipes.agent_train import RunState
+    from reflow.train.checkpoint import latest_checkpoint
+
+    if resume:
+        ckpt = latest_checkpoint(run_dir / "checkpoints")
+        if ckpt is not None:
+            return str(ckpt), RunState(), ckpt
+        log.console.print("[yellow]no checkpoint yet: starting the run over[/yellow]")
+    if config.warmstart.enabled:
+        return run_warmstart(config, log), RunState(), None
+    overrides: dict[str, Any] = dict(config.model_overrides)
+    return str(resolve_model_path(config.model, **overrides)), RunState(), None

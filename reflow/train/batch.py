@@ -1,0 +1,39 @@
+"""From stored trajectory groups to training rows.
+
+Each episode contributes one row per segment, carrying the episode's group-relative advantage (fixed
+when the group was stored, so a replayed group trains with the same advantages). Infra-error episodes
+are masked out: an engine or sandbox failure says nothing about the policy, so it is never scored 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from reflow.replay import StoredGroup
+from reflow.train.advantages import valid_for_training
+from reflow.train.trainer import TrainRow
+
+
+def rows_from_groups(groups: Iterable[StoredGroup]) -> list[TrainRow]:
+    rows: list[TrainRow] = []
+    for group in groups:
+        for episode, advantage in zip(group.episodes, group.advantages, strict=True):
+            if not valid_for_training(episode.status):
+                continue
+            rows += [
+                TrainRow(segment, advantage, group.group_id, episode.policy_version_start)
+                for segment in episode.segments
+                if segment.n_sampled > 0
+            ]
+    return rows
+
+
+def shard_rows(rows: list[TrainRow], world_size: int) -> list[list[TrainRow]]:
+    """Split rows across ranks with balanced token counts (longest first, to the lightest rank)."""
+    shards: list[list[TrainRow]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    for row in sorted(rows, key=lambda r: -len(r.segment.token_ids)):
+        i = load.index(min(load))
+        shards[i].append(row)
+        load[i] += len(row.segment.token_ids)
+    return shards

@@ -1,0 +1,207 @@
+"""The policy trainer: one RL optimizer step on a batch of trajectory groups.
+
+    trainer = PolicyTrainer(model, pad_id, TrainerConfig(lr=1e-4))
+    metrics = trainer.train_step(rows_from_groups(groups), step=7)
+
+A step packs the rows into micro-batches by padded-token budget, accumulates gradients of the policy
+loss (decoupled PPO or truncated IS, `reflow.train.losses`), clips the gradient norm and takes one AdamW
+step. The proximal policy is the weights before this update; with one optimizer step per batch its
+log-probs are exactly the detached log-probs of the same forward pass, so no extra forward is spent on
+them. In sync mode the behaviour policy *is* the proximal one (`behaviour_is_prox`): the IS weight is
+exactly 1 and nothing is masked. Otherwise the behaviour log-probs are the ones the engine recorded at
+sampling time.
+
+Several ranks: `init_distributed` starts a gloo (CPU) or NCCL process group and the model is sharded
+with FSDP2 (`fully_shard`, one unit per decoder layer); each rank trains on its share of the rows and
+the loss is normalised by the global token count, so the update equals the single-rank one.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from reflow.records import Segment
+from reflow.train.logprobs import pad_segments, token_logprobs
+from reflow.train.losses import LossConfig, policy_loss
+from reflow.train.sft import _bf16_helps, pack_batches
+
+
+@dataclass
+class TrainRow:
+    """One training row: a segment of an episode and that episode's (group-relative) advantage."""
+
+    segment: Segment
+    advantage: float
+    group_id: str = ""
+    version: int = 0
+    """The policy version that generated the episode (for staleness)."""
+
+
+@dataclass
+class TrainerConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    micro_batch_tokens: int = 16384
+    loss: LossConfig = field(default_factory=LossConfig)
+    behaviour_is_prox: bool = True
+    """Sync mode: the sampling policy is the pre-update policy, so the IS weight is exactly 1."""
+    temperature: float = 1.0
+    """The sampling temperature: log-probs are taken under the same tempered distribution."""
+    bf16: bool | None = None
+    seed: int = 0
+
+
+def _sum_stat(stats: dict[str, Any], key: str) -> float:
+    value = stats.get(key, 0.0)
+    return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+
+class PolicyTrainer:
+    """Holds the model and AdamW state; `train_step` is one update. Works on one rank or under FSDP2."""
+
+    def __init__(self, model: torch.nn.Module, pad_id: int, config: TrainerConfig | None = None) -> None:
+        self.cfg = config or TrainerConfig()
+        self.pad_id = pad_id
+        self.model = model
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        if self.world_size > 1:
+            shard_model(model)
+        decay = [p for p in model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in model.parameters() if p.ndim < 2]
+        self.optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": self.cfg.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=self.cfg.lr,
+        )
+        self.bf16 = _bf16_helps() if self.cfg.bf16 is None else self.cfg.bf16
+        self.step = 0
+        self.version = 0
+        self.rng = random.Random(self.cfg.seed + self.rank)
+
+    def _micro_batches(self, rows: Sequence[TrainRow]) -> list[list[TrainRow]]:
+        by_segment = {id(r.segment): r for r in rows}
+        batches = pack_batches([r.segment for r in rows], self.cfg.micro_batch_tokens, self.rng)
+        return [[by_segment[id(s)] for s in batch] for batch in batches]
+
+    def _forward(self, batch: list[TrainRow]) -> dict[str, torch.Tensor]:
+        ids, attn, mask, behav, _ = pad_segments([r.segment for r in batch], self.pad_id)
+        adv = torch.tensor([r.advantage for r in batch], dtype=torch.float32)[:, None].expand_as(behav)
+        with torch.autocast(self.model.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            logp, entropy = token_logprobs(
+                self.model, ids, attn, temperature=self.cfg.temperature, entropy="detached"
+            )
+        return {"logp": logp, "entropy": entropy, "mask": mask.float(), "behav": behav, "adv": adv}
+
+    def train_step(self, rows: Sequence[TrainRow], step: int | None = None) -> dict[str, float]:
+        """One optimizer step on `rows` (this rank's share). Returns loss and IS-health metrics."""
+        start = time.monotonic()
+        rows = [r for r in rows if r.segment.n_sampled > 0]
+        local_tokens = sum(r.segment.n_sampled for r in rows)
+        global_tokens = self._all_reduce(float(local_tokens))
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {}
+        w_max = 0.0
+        for batch in self._micro_batches(rows):
+            t = self._forward(batch)
+            logp, entropy = t["logp"], t["entropy"]
+            prox = logp.detach()
+            behav = prox if self.cfg.behaviour_is_prox else t["behav"]
+            loss, stats = policy_loss(logp, prox, behav, t["adv"], t["mask"], self.cfg.loss)
+            n = float(t["mask"].sum())
+            # policy_loss averages over this micro-batch's tokens; re-weight to a mean over the
+            # whole step (all ranks), and undo FSDP's averaging of gradients across ranks.
+            (loss * n * self.world_size / max(global_tokens, 1.0)).backward()
+            for key in ("clip_frac", "w_mean", "masked_frac", "kl_behav"):
+                totals[key] = totals.get(key, 0.0) + _sum_stat(stats, key) * n
+            totals["loss"] = totals.get("loss", 0.0) + float(loss.detach()) * n
+            totals["entropy"] = totals.get("entropy", 0.0) + float((entropy * t["mask"]).sum())
+            w_max = max(w_max, _sum_stat(stats, "w_max"))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.eval()
+        self.step = step if step is not None else self.step + 1
+        self.version += 1
+        metrics = {k: self._all_reduce(v) / max(global_tokens, 1.0) for k, v in totals.items()}
+        metrics.update(
+            grad_norm=grad_norm,
+            grad_skipped=float(not math.isfinite(grad_norm)),
+            w_max=self._all_reduce(w_max, op="max"),
+            trained_tokens=global_tokens,
+            rows=self._all_reduce(float(len(rows))),
+            train_s=time.monotonic() - start,
+        )
+        return metrics
+
+    def _all_reduce(self, value: float, op: str = "sum") -> float:
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        return float(t.item())
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded CPU weights for the engines (collective under FSDP: call on every rank)."""
+        if self.world_size > 1:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            return get_model_state_dict(self.model, options=options)
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def optimizer_state(self) -> dict[str, Any]:
+        if self.world_size > 1:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            return get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        return self.optimizer.state_dict()
+
+    def load_state(self, model_state: dict[str, Any], optim_state: dict[str, Any]) -> None:
+        if self.world_size > 1:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            options = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(self.model, model_state, options=options)
+            set_optimizer_state_dict(self.model, self.optimizer, optim_state, options=options)
+        else:
+            self.model.load_state_dict(model_state)
+            self.optimizer.load_state_dict(optim_state)
+
+
+def shard_model(model: torch.nn.Module) -> None:
+    """FSDP2: each decoder layer is one unit, then the root (embeddings, norm, head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, backend: str) -> None:
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+        )

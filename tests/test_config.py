@@ -1,0 +1,75 @@
+"""Run configs: every shipped config validates; bad keys, types and envs are clear errors."""
+
+from pathlib import Path
+
+import pytest
+
+from reflow.config import ConfigError, apply_overrides, dump_config, load_config, validate_config
+
+CONFIGS = sorted(Path(__file__).parents[1].joinpath("configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_shipped_configs_validate(path):
+    config = load_config(path)
+    assert config.env.id.startswith("reflow/")
+    assert load_config(path).model_dump() == config.model_dump()
+
+
+def test_one_config_per_builtin_env():
+    envs = {load_config(p).env.id for p in CONFIGS}
+    assert {"reflow/Calc-v0", "reflow/PyCode-v0", "reflow/Guess-v0", "reflow/Math-v0"} <= envs
+
+
+def test_overrides_parse_yaml_scalars_and_sections():
+    config = load_config(
+        None,
+        ["env.id=reflow/Calc-v0", "train.lr=3e-4", "warmstart.enabled=false", "env.kwargs={max_steps: 2}"],
+    )
+    assert config.train.lr == pytest.approx(3e-4)
+    assert config.warmstart.enabled is False
+    assert config.env.kwargs == {"max_steps": 2}
+
+
+def test_round_trip_through_yaml(tmp_path):
+    config = load_config(None, ["env.id=reflow/Guess-v0", "rollout.group_size=4"])
+    path = tmp_path / "c.yaml"
+    path.write_text(dump_config(config))
+    assert load_config(path) == config
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["env.id=reflow/Calc-v0", "train.lrr=1"], "train.lrr: unknown key"),
+        (["env.id=reflow/Calc-v0", "bogus=1"], "bogus: unknown key"),
+        (["env.id=reflow/Calc-v0", "train.steps=many"], "train.steps: Input should be a valid integer"),
+        (["env.id=reflow/Calc-v0", "rollout.group_size=1"], "rollout.group_size"),
+        (["env.id=reflow/Calc-v0", "resources.slots=[train]"], "at least one 'rollout' slot"),
+        (["train.lr=1e-4"], "env: missing (required)"),
+        (["env.id=reflow/Nope-v0"], "'reflow/Nope-v0' is not registered"),
+        (["env.id=reflow/Calc-v0", "env.plugins=[no_such_module_xyz]"], "no_such_module_xyz"),
+        (["env.id=reflow/Calc-v0", "mode=turbo"], "mode"),
+    ],
+)
+def test_bad_configs_name_the_key(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert message in str(err.value)
+
+
+def test_bad_override_syntax_and_files(tmp_path):
+    with pytest.raises(ConfigError, match="not key=value"):
+        apply_overrides({}, ["train.lr"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(tmp_path / "list.yaml")
+    with pytest.raises(ConfigError, match="is not a section"):
+        apply_overrides({"train": 3}, ["train.lr=1"])
+
+
+def test_plugins_register_envs_before_the_id_is_checked():
+    config = validate_config({"env": {"plugins": ["fake_envs:register_test_envs"], "id": "test/Parity-v0"}})
+    assert config.env.id == "test/Parity-v0"

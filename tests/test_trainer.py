@@ -1,0 +1,183 @@
+"""The RL trainer: sync-mode IS weights, masking of infra errors, micro-batching, checkpoints."""
+
+import random
+
+import pytest
+import torch
+
+from reflow.records import EpisodeRecord, Segment
+from reflow.replay import StoredGroup
+from reflow.train.batch import rows_from_groups, shard_rows
+from reflow.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from reflow.train.trainer import PolicyTrainer, TrainerConfig, TrainRow
+
+
+def _model(seed: int = 0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+    )
+    return Qwen3ForCausalLM(config).eval()
+
+
+def _segment(rng: random.Random, prompt: int, sampled: int, logprob: float = -1.0) -> Segment:
+    seg = Segment(0)
+    seg.extend_prompt([rng.randrange(1, 64) for _ in range(prompt)])
+    seg.extend_sampled([rng.randrange(1, 64) for _ in range(sampled)], [logprob] * sampled, [0] * sampled)
+    return seg
+
+
+def _rows(n: int = 6, seed: int = 0) -> list[TrainRow]:
+    rng = random.Random(seed)
+    return [
+        TrainRow(_segment(rng, rng.randint(3, 9), rng.randint(2, 7)), adv) for adv in [1.0, -1.0] * (n // 2)
+    ]
+
+
+def _weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_sync_mode_weight_is_one_and_nothing_is_masked():
+    trainer = PolicyTrainer(
+        _model(), pad_id=0, config=TrainerConfig(lr=1e-2, behaviour_is_prox=True, bf16=False)
+    )
+    before = _weights(trainer.model)
+    metrics = trainer.train_step(_rows())
+    assert metrics["w_mean"] == pytest.approx(1.0)
+    assert metrics["w_max"] == pytest.approx(1.0)
+    assert metrics["masked_frac"] == 0.0
+    assert metrics["clip_frac"] == 0.0  # theta == prox on the first (only) update
+    assert metrics["trained_tokens"] == sum(r.segment.n_sampled - (r.segment.loss_mask[0]) for r in _rows())
+    assert trainer.version == 1
+    after = _weights(trainer.model)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_behaviour_logprobs_far_from_the_policy_are_masked_off_sync():
+    # the engine's recorded log-probs (-1 per token) differ from the model's (~ -log 64): w = pi_prox /
+    # pi_behav is far from 1 and, above the cap, masked
+    trainer = PolicyTrainer(
+        _model(), pad_id=0, config=TrainerConfig(lr=1e-2, behaviour_is_prox=False, bf16=False)
+    )
+    metrics = trainer.train_step(_rows())
+    assert metrics["w_mean"] < 0.1  # pi_prox ~ 1/64 vs pi_behav = e^-1
+    high = [TrainRow(_segment(random.Random(1), 4, 5, logprob=-30.0), 1.0)]
+    metrics = trainer.train_step(high)
+    assert metrics["masked_frac"] == pytest.approx(1.0)  # w = e^(~-4.2 + 30) > cap 5 everywhere
+
+
+def test_micro_batches_give_the_same_update_as_one_batch():
+    rows = _rows(8)
+    results = []
+    for micro in (10_000, 24):  # one micro-batch vs many
+        trainer = PolicyTrainer(_model(), 0, TrainerConfig(lr=1e-2, micro_batch_tokens=micro, bf16=False))
+        grads = {}
+        step = trainer.optimizer.step
+
+        def capture(*args, _model=trainer.model, _step=step, _grads=grads, **kwargs):
+            _grads.update({n: p.grad.clone() for n, p in _model.named_parameters()})
+            return _step(*args, **kwargs)
+
+        trainer.optimizer.step = capture
+        metrics = trainer.train_step(rows)
+        assert (len(trainer._micro_batches(rows)) > 1) == (micro == 24)
+        results.append((grads, metrics["loss"]))
+    (g1, loss1), (g2, loss2) = results
+    assert loss1 == pytest.approx(loss2, abs=1e-5)
+    for k in g1:
+        assert torch.allclose(g1[k], g2[k], atol=1e-6), k
+
+
+def test_zero_advantage_rows_do_not_move_the_policy():
+    trainer = PolicyTrainer(_model(), 0, TrainerConfig(lr=1e-2, bf16=False, weight_decay=0.0))
+    rows = [TrainRow(r.segment, 0.0) for r in _rows()]
+    before = _weights(trainer.model)
+    trainer.train_step(rows)
+    for k, v in _weights(trainer.model).items():
+        assert torch.allclose(before[k], v, atol=1e-7), k
+
+
+def _episode(status: str, reward: float, gid: str = "g") -> EpisodeRecord:
+    seg = _segment(random.Random(len(status)), 3, 4)
+    return EpisodeRecord(
+        episode_id=f"{gid}-{status}-{reward}",
+        group_id=gid,
+        env_id="e",
+        task_id=1,
+        task_hash="h",
+        seed=0,
+        status=status,
+        reward=reward,
+        segments=[seg],
+    )
+
+
+def test_infra_error_episodes_are_masked_out_of_training():
+    episodes = [
+        _episode("ok", 1.0),
+        _episode("infra_error", 0.0),
+        _episode("ok", 0.0),
+        _episode("truncated", 0.0),
+    ]
+    group = StoredGroup(
+        group_id="g",
+        seq=0,
+        policy_version=0,
+        episodes=episodes,
+        advantages=[1.0, 0.0, -0.5, -0.5],
+        reward_spread=1.0,
+        consumed=0,
+        last_step=None,
+        meta={},
+    )
+    rows = rows_from_groups([group])
+    assert len(rows) == 3
+    assert [r.advantage for r in rows] == [1.0, -0.5, -0.5]
+    assert all(r.segment is not episodes[1].segments[0] for r in rows)
+
+
+def test_shard_rows_balances_tokens_and_keeps_every_row():
+    rows = _rows(10)
+    shards = shard_rows(rows, 3)
+    assert sorted(id(r) for s in shards for r in s) == sorted(id(r) for r in rows)
+    loads = [sum(len(r.segment.token_ids) for r in s) for s in shards]
+    assert max(loads) - min(loads) <= max(len(r.segment.token_ids) for r in rows)
+
+
+def test_checkpoint_round_trip_restores_weights_optimizer_step_and_rng(tmp_path):
+    trainer = PolicyTrainer(_model(), 0, TrainerConfig(lr=1e-2, bf16=False))
+    trainer.train_step(_rows())
+    path = save_checkpoint(tmp_path, trainer, extra={"next_seed": 42}, keep=2)
+    assert path == latest_checkpoint(tmp_path)
+    expected_next = trainer.train_step(_rows(seed=3))  # what the run would have done next
+    expected_weights = _weights(trainer.model)
+
+    fresh = PolicyTrainer(_model(seed=9), 0, TrainerConfig(lr=1e-2, bf16=False))
+    extra = load_checkpoint(path, fresh)
+    assert extra == {"next_seed": 42}
+    assert (fresh.step, fresh.version) == (1, 1)
+    resumed = fresh.train_step(_rows(seed=3))
+    assert resumed["loss"] == pytest.approx(expected_next["loss"], abs=1e-6)
+    for k, v in _weights(fresh.model).items():
+        assert torch.allclose(v, expected_weights[k], atol=1e-6), k
+
+
+def test_checkpoints_are_pruned_and_half_written_ones_ignored(tmp_path):
+    trainer = PolicyTrainer(_model(), 0, TrainerConfig(bf16=False))
+    for _ in range(3):
+        trainer.train_step(_rows())
+        save_checkpoint(tmp_path, trainer, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000002", "step-000003"]
+    (tmp_path / ".tmp-step-000004").mkdir()  # a save killed midway
+    (tmp_path / "step-000005").mkdir()  # no state.json: not finished
+    assert latest_checkpoint(tmp_path).name == "step-000003"
