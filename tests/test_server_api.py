@@ -10,7 +10,7 @@ import pytest
 from server_helpers import TOKEN, ServerProcess, remote_kwargs
 
 import reflow
-from reflow.env import InfraError, parse_assistant
+from reflow.env import InfraError, parse_assistant, play_episode, scripted_policy
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
 
@@ -179,6 +179,21 @@ async def test_remote_env_retries_a_step_whose_answer_was_lost(server):
     assert lost and result.messages[0]["content"] == "42" and remote.turn_index == 1
     await env.close()
     await real.aclose()
+
+
+async def test_an_env_whose_episode_ended_ok_is_reused_and_others_are_closed(server, http):
+    before = http.get("/v1/capacity").json()["idle_envs"]
+    env = reflow.make("reflow/Remote-v0", **remote_kwargs(server, "reflow/Math-v0"))
+    won = await play_episode(env, scripted_policy(env, 0.0, 0), seed=0)
+    cap = http.get("/v1/capacity").json()
+    assert won.status == "ok" and cap["idle_envs"] == before + 1 and cap["live_sessions"] == 0
+    again = await play_episode(env, scripted_policy(env, 0.0, 1), seed=1)  # reuses it: none is built
+    assert again.success and http.get("/v1/capacity").json()["idle_envs"] == before + 1
+    await env.close()
+    slow = _create(http, env_id="test/Slow-v0", env_kwargs={"step_s": 2.0}).json()["session_id"]
+    timed_out = http.post(f"/v1/sessions/{slow}/step", json={"turn_index": 0, "turn": _turn("hi")}).json()
+    assert timed_out["result"]["info"]["status"] == "timeout"
+    assert http.get("/v1/capacity").json()["idle_envs"] == before + 1  # a cancelled env is not kept
 
 
 # ---- limits -----------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request, Security
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from reflow.env import make
 from reflow.env.registration import spec_kwargs
-from reflow.server.auth import TokenGate, bearer
+from reflow.server.auth import OPEN_PATHS, SECURITY_SCHEME, TokenGate
 from reflow.server.routes import capacity, envs, error_response, health, sessions
 from reflow.server.schemas import ApiError
 from reflow.server.sessions import SessionManager, served_env_ids
@@ -123,12 +123,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
     )
     app.state.settings = settings
 
-    auth = [Security(bearer)]  # enforced by TokenGate; declared here for the OpenAPI document
-    app.include_router(health.router)
-    for module in (sessions, envs, capacity):
-        app.include_router(module.router, dependencies=auth)
+    for module in (health, sessions, envs, capacity):
+        app.include_router(module.router)
 
-    @app.get("/openapi.json", include_in_schema=False, dependencies=auth)
+    @app.get("/openapi.json", include_in_schema=False)
     async def openapi() -> JSONResponse:
         return JSONResponse(openapi_document(app))
 
@@ -140,8 +138,14 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
 
 def openapi_document(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's document, with the served env ids as the choices of `env_id`."""
+    """FastAPI's document, with the bearer scheme on every route but health (TokenGate enforces it
+    before routing, so no route declares it) and the served env ids as the choices of `env_id`."""
     doc = copy.deepcopy(app.openapi())
+    if app.state.settings.token is not None:
+        doc.setdefault("components", {})["securitySchemes"] = {"HTTPBearer": SECURITY_SCHEME}
+        for path, operations in doc["paths"].items():
+            for operation in operations.values() if path not in OPEN_PATHS else ():
+                operation["security"] = [{"HTTPBearer": []}]
     manager = getattr(app.state, "manager", None)
     if manager is not None and manager.served:
         doc["components"]["schemas"]["CreateSession"]["properties"]["env_id"]["enum"] = sorted(manager.served)

@@ -2,21 +2,20 @@
 
 `TokenGate` checks the header before anything else runs (routing, body parsing), so a client without
 the token learns nothing but 401 (header missing or malformed) or 403 (wrong token). The comparison
-takes the same time however much of the token matches (`hmac.compare_digest`). `bearer` is the
-scheme the routes declare, so the OpenAPI document says what to send.
+takes the same time however much of the token matches (`hmac.compare_digest`). `SECURITY_SCHEME` is the
+scheme the OpenAPI document declares, so that it says what to send.
 """
 
 from __future__ import annotations
 
 import hmac
 
-from fastapi.security import HTTPBearer
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from reflow.server.routes import error_response
 from reflow.server.schemas import ApiError
 
-bearer = HTTPBearer(auto_error=False, description="the token the server was started with")
+SECURITY_SCHEME = {"type": "http", "scheme": "bearer", "description": "the token the server was started with"}
 OPEN_PATHS = frozenset({"/healthz"})
 
 

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import ipaddress
 import json
 import logging
@@ -91,6 +92,7 @@ def cmd_serve_envs(args: argparse.Namespace) -> int:
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
     )
+    gc.freeze()  # the start-up heap (imports, the app) is never garbage: keep it out of every GC pass
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 

@@ -286,7 +286,9 @@ class RemoteEnv(Env):
 
     async def _delete_session(self) -> None:
         session_id, self.session_id = self.session_id, None
-        if session_id is None or self._client_loop is not _running_loop():
+        # A finished session needs no delete: its env was released when the episode ended, and the
+        # server forgets the record on its own (one request less per episode).
+        if session_id is None or self.done or self._client_loop is not _running_loop():
             return
         with contextlib.suppress(httpx.HTTPError):  # the server's reaper closes what a lost delete leaves
             await self.client().delete(f"/v1/sessions/{session_id}", timeout=5.0)

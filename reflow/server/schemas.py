@@ -170,6 +170,7 @@ class Capacity(_Model):
     available: int
     states: dict[str, int]
     steps_in_flight: int
+    idle_envs: int = Field(description="envs kept for reuse, holding no session")
     draining: bool
 
 

@@ -5,9 +5,12 @@
 - Step `k` runs once: a retry of `k` (same turn) while it runs waits for the same result, and after it
   ran gets the stored result (`replayed`); a different turn under a used index is refused (409).
 - A step runs in its own task, so a client that disconnects does not cancel the env half-way.
-- When an episode ends its env is closed at once (its sandbox goes back to the pool); the session
-  record stays, with its last results, until it is deleted, reaped, or pushed out by newer ones.
+- When an episode ends its env is released at once: back to the env pool when it ended "ok" (see
+  `envpool`), else closed (its sandbox goes back to the sandbox pool). The session record stays with
+  its final result, for a retry of the last step, until it is deleted, expires (`ended_ttl_s`), or is
+  pushed out by newer ones (`ended_kept`); a client need not delete a finished session.
 - The reaper closes sessions idle longer than `idle_timeout_s` or past their deadline.
+- Results are kept as JSON text, so a replayed answer costs no encoding.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ import logging
 import secrets
 import time
 from collections import Counter, OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
-from reflow.env import AssistantTurn, Env, EnvError, InfraError, StepResult, make
+from reflow.env import AssistantTurn, Env, EnvError, InfraError, Observation, StepResult
 from reflow.env.registration import env_ids, spec_kwargs
+from reflow.server.envpool import EnvPool, close_env
 from reflow.server.schemas import LIVE_STATES, ApiError, CreateSession, check_transition
 from reflow.server.settings import ServerSettings
 
@@ -34,7 +38,6 @@ RESULTS_KEPT = 4
 """Per session, the last results kept for retries (a client retries only its latest step)."""
 TOMBSTONES_KEPT = 16384
 """Ids of closed sessions remembered, so a late request gets 410 and a reason instead of 404."""
-CLOSE_TIMEOUT_S = 30.0
 
 
 def served_env_ids(settings: ServerSettings) -> list[str]:
@@ -45,9 +48,9 @@ def served_env_ids(settings: ServerSettings) -> list[str]:
     return [e for e in env_ids() if not spec_kwargs(e)["env_entry_point"].startswith("reflow.server.")]
 
 
-def json_of(obj: Any) -> dict[str, Any]:
-    """A dataclass (Observation, StepResult) as plain JSON data."""
-    return json.loads(json.dumps(asdict(obj), default=str))
+def json_text(obj: Observation | StepResult) -> str:
+    """An observation or step result as JSON text (their messages and info are plain data already)."""
+    return json.dumps(vars(obj), default=str)
 
 
 def turn_hash(turn: dict[str, Any]) -> str:
@@ -60,12 +63,16 @@ class Session:
     env_id: str
     deadline: float
     last_active: float
+    kwargs: dict[str, Any] = field(default_factory=dict)
     state: str = "creating"
     env: Env | None = None
     turns: int = 0
     status: str | None = None
-    results: OrderedDict[int, tuple[str, dict[str, Any]]] = field(default_factory=OrderedDict)
-    inflight: tuple[int, str, asyncio.Task[dict[str, Any]]] | None = None
+    ended_at: float = 0.0
+    results: OrderedDict[int, tuple[str, str]] = field(
+        default_factory=OrderedDict
+    )  # index: (turn digest, JSON)
+    inflight: tuple[int, str, asyncio.Task[str]] | None = None
 
 
 class SessionManager:
@@ -78,8 +85,8 @@ class SessionManager:
         self.counts: Counter[str] = Counter()
         self.steps_in_flight = 0
         self.draining = False
+        self.envs = EnvPool(settings.env_pool_size, settings.idle_timeout_s)
         self._reaper: asyncio.Task[None] | None = None
-        self._closing: set[asyncio.Task[None]] = set()
 
     # ---- state ---------------------------------------------------------------------------------------
     def _move(self, s: Session, new: str) -> None:
@@ -101,6 +108,7 @@ class SessionManager:
             "available": max(0, self.settings.max_sessions - live) if not self.draining else 0,
             "states": {k: v for k, v in self.counts.items() if v and k != "closed"},
             "steps_in_flight": self.steps_in_flight,
+            "idle_envs": len(self.envs),
             "draining": self.draining,
         }
 
@@ -132,7 +140,8 @@ class SessionManager:
         return ApiError(410, kind, code, f"session {session_id!r} was closed ({reason})")
 
     # ---- create --------------------------------------------------------------------------------------
-    async def create(self, req: CreateSession) -> tuple[Session, dict[str, Any]]:
+    async def create(self, req: CreateSession) -> tuple[Session, str]:
+        """A new session, reset, and its observation as JSON text."""
         cfg = self.settings
         if self.draining:
             raise ApiError(503, "infra", "draining", "the server is shutting down", self._retry_after())
@@ -150,11 +159,12 @@ class SessionManager:
             )
         now = time.monotonic()
         budget = min(req.deadline_s or cfg.default_deadline_s, cfg.max_deadline_s)
-        s = Session(secrets.token_urlsafe(12), req.env_id, deadline=now + budget, last_active=now)
+        kwargs = {**cfg.env_kwargs.get(req.env_id, {}), **req.env_kwargs}
+        s = Session(secrets.token_urlsafe(12), req.env_id, now + budget, now, kwargs)
         self.sessions[s.id] = s
         self.counts["creating"] += 1
         try:
-            s.env = make(req.env_id, **{**cfg.env_kwargs.get(req.env_id, {}), **req.env_kwargs})
+            s.env = self.envs.take(req.env_id, kwargs)
             obs = await asyncio.wait_for(s.env.reset(task=req.task, seed=req.seed), budget)
         except BaseException as e:
             if s.state == "creating":
@@ -169,7 +179,7 @@ class SessionManager:
             raise self.closed_error(s.id, self.tombstones.get(s.id, "closed"))
         self._move(s, "ready")
         s.last_active = time.monotonic()
-        return s, json_of(obs)
+        return s, json_text(obs)
 
     @staticmethod
     def _reset_error(e: BaseException, req: CreateSession) -> ApiError:
@@ -190,8 +200,8 @@ class SessionManager:
     # ---- step ----------------------------------------------------------------------------------------
     async def step(
         self, session_id: str, turn_index: int, turn: dict[str, Any], parsed: AssistantTurn
-    ) -> tuple[dict[str, Any], bool]:
-        """The result of step `turn_index` and whether it was replayed from the store."""
+    ) -> tuple[str, bool]:
+        """The result of step `turn_index` (JSON text) and whether it was replayed from the store."""
         s = self.lookup(session_id)
         s.last_active = time.monotonic()
         digest = turn_hash(turn)
@@ -224,7 +234,7 @@ class SessionManager:
                 409, "agent", "turn_mismatch", f"turn_index {turn_index} was already used for another turn"
             )
 
-    async def _run_step(self, s: Session, turn: AssistantTurn, index: int, digest: str) -> dict[str, Any]:
+    async def _run_step(self, s: Session, turn: AssistantTurn, index: int, digest: str) -> str:
         assert s.env is not None
         self.steps_in_flight += 1
         try:
@@ -237,7 +247,7 @@ class SessionManager:
             self.steps_in_flight -= 1
             s.inflight = None
             s.last_active = time.monotonic()
-        body = json_of(result)
+        body = json_text(result)
         if s.state == "closed":  # deleted (or shut down) while it ran: the env is released here
             await self._release(s)
             raise self.closed_error(s.id, self.tombstones.get(s.id, "closed"))
@@ -248,8 +258,11 @@ class SessionManager:
         if result.done:
             s.status = str(result.info.get("status", "ok" if result.terminated else "truncated"))
             self._move(s, "done")
+            s.ended_at = time.monotonic()
+            while len(s.results) > 1:  # only the final step can still be retried
+                s.results.popitem(last=False)
             self._remember_ended(s)
-            await self._release(s)
+            await self._release(s, reuse=s.status == "ok")
         else:
             self._move(s, "ready")
         return body
@@ -291,14 +304,15 @@ class SessionManager:
         while len(self.tombstones) > TOMBSTONES_KEPT:
             self.tombstones.popitem(last=False)
 
-    async def _release(self, s: Session) -> None:
+    async def _release(self, s: Session, reuse: bool = False) -> None:
+        """Hand the session's env back to the env pool (`reuse`) or close it."""
         env, s.env = s.env, None
         if env is None:
             return
-        try:
-            await asyncio.wait_for(env.close(), CLOSE_TIMEOUT_S)
-        except Exception:
-            log.exception("closing the env of session %s failed", s.id)
+        if reuse and not self.draining:
+            await self.envs.give_back(s.env_id, s.kwargs, env)
+        else:
+            await close_env(env)
 
     async def _end(self, s: Session, reason: str) -> None:
         """Close a session now; a running step or reset releases the env itself when it returns."""
@@ -320,8 +334,8 @@ class SessionManager:
 
     # ---- reaper and shutdown -------------------------------------------------------------------------
     async def reap_once(self) -> int:
-        """Close idle sessions and those past their deadline; returns how many were closed."""
-        now, idle = time.monotonic(), self.settings.idle_timeout_s
+        """Close idle sessions, those past their deadline and expired finished ones; returns how many."""
+        now, idle, ttl = time.monotonic(), self.settings.idle_timeout_s, self.settings.ended_ttl_s
         doomed = []
         for s in list(self.sessions.values()):
             if s.state in ("stepping", "creating"):  # bounded by the step timeout and the deadline
@@ -330,9 +344,13 @@ class SessionManager:
                 doomed.append((s, "idle"))
             elif s.state == "ready" and now > s.deadline:
                 doomed.append((s, "deadline"))
+            elif s.state == "done" and now - s.ended_at > ttl:
+                doomed.append((s, "ended"))
         for s, reason in doomed:
-            log.info("reaping session %s (%s, %s)", s.id, s.env_id, reason)
+            if reason != "ended":
+                log.info("reaping session %s (%s, %s)", s.id, s.env_id, reason)
             await self._end(s, reason)
+        await self.envs.reap()
         return len(doomed)
 
     def start(self) -> None:
@@ -354,7 +372,7 @@ class SessionManager:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         running = [s.inflight[2] for s in self.sessions.values() if s.inflight is not None]
-        pending: set[asyncio.Task[dict[str, Any]]] = set()
+        pending: set[asyncio.Task[str]] = set()
         if running:
             _, pending = await asyncio.wait(running, timeout=self.settings.shutdown_grace_s)
             for task in pending:
@@ -364,6 +382,7 @@ class SessionManager:
         for s in list(self.sessions.values()):
             self._forget(s, "shutdown")
             await self._release(s)
+        await self.envs.close()
         log.info(
             "shutdown: released %d live sessions; %d in-flight steps finished, %d cancelled",
             live,

@@ -32,7 +32,11 @@ class ServerSettings:
     reaper_interval_s: float = 5.0
     retry_after_s: int = 1
     ended_kept: int = 4096
-    """Finished sessions whose last results are kept for retries; older ones are forgotten first."""
+    """Finished sessions whose final results are kept for retries; older ones are forgotten first."""
+    ended_ttl_s: float = 60.0
+    """How long a finished session's final result is kept (a client need not delete it)."""
+    env_pool_size: int = 32
+    """Idle envs kept per env id and kwargs, reset for the next session instead of built again."""
     shutdown_grace_s: float = 10.0
     """On shutdown, in-flight steps get this long to finish before they are cancelled."""
     env_ids: list[str] | None = None

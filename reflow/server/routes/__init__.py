@@ -36,7 +36,12 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 def json_response(data: Any, status_code: int = 200) -> Response:
     """A JSON response without a second validation pass (the hot path of a step)."""
-    return Response(json.dumps(data, default=str), status_code=status_code, media_type="application/json")
+    return raw_json(json.dumps(data, default=str), status_code)
+
+
+def raw_json(text: str, status_code: int = 200) -> Response:
+    """JSON text already encoded (stored step results are spliced in as they are)."""
+    return Response(text, status_code=status_code, media_type="application/json")
 
 
 def error_response(

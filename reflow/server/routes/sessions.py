@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 from fastapi import APIRouter, Path, Request, Response
 
-from reflow.server.routes import errors, json_response
+from reflow.server.routes import errors, json_response, raw_json
 from reflow.server.schemas import (
     CreateSession,
     Deleted,
@@ -34,7 +36,8 @@ def _manager(request: Request) -> SessionManager:
 async def create_session(body: CreateSession, request: Request) -> Response:
     manager = _manager(request)
     session, observation = await manager.create(body)
-    return json_response({**manager.describe(session), "observation": observation}, 201)
+    described = json.dumps(manager.describe(session))
+    return raw_json(f'{described[:-1]}, "observation": {observation}}}', 201)
 
 
 @router.post(
@@ -49,15 +52,10 @@ async def step_session(body: StepRequest, request: Request, session_id: str = Se
         session_id, body.turn_index, body.turn.model_dump(), body.turn.to_turn()
     )
     state = manager.sessions[session_id].state if session_id in manager.sessions else "closed"
-    return json_response(
-        {
-            "session_id": session_id,
-            "turn_index": body.turn_index,
-            "state": state,
-            "replayed": replayed,
-            "result": result,
-        }
+    head = json.dumps(
+        {"session_id": session_id, "turn_index": body.turn_index, "state": state, "replayed": replayed}
     )
+    return raw_json(f'{head[:-1]}, "result": {result}}}')
 
 
 @router.get(

@@ -1,0 +1,162 @@
+"""Env server load benchmark: steps/s and step latency of reflow/Calc-v0 sessions through `RemoteEnv`.
+
+The server (`reflow serve-envs`, token auth) runs in its own process on loopback; this process plays
+N concurrent sessions, each a loop of whole episodes (create, scripted steps) through the real client.
+Two runs per N: closed loop (every session steps again as soon as it has its answer: the throughput
+ceiling, where latency is mostly queueing, N / throughput) and paced (each session "thinks" between
+steps, as a policy generating its next turn would, so that all N together offer `--rate` steps/s:
+the step latency at that load). It checks that no session is lost (every episode ends "ok", none is
+left live on the server) and prints the server's RSS at start, after each run, and after the first
+load is played again.
+
+Usage: python benchmarks/bench_env_server.py [--sessions 64,256] [--seconds 8] [--rate 500] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+import reflow
+from reflow.env import parse_assistant, scripted_policy
+
+ENV_ID = "reflow/Calc-v0"
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def start_server(max_sessions: int) -> tuple[subprocess.Popen, str, str]:
+    token = os.urandom(16).hex()
+    token_file = Path(tempfile.mkdtemp()) / "token"
+    token_file.write_text(token)
+    token_file.chmod(0o600)
+    cmd = [sys.executable, "-m", "reflow.server.cli", "--port", "0", "--token-file", str(token_file)]
+    cmd += ["--max-sessions", str(max_sessions), "--log-level", "warning", "--env", ENV_ID]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if "listening on" not in line:
+        raise SystemExit(f"the server did not start: {line!r}")
+    url = line.split("listening on ", 1)[1].split()[0]
+    for _ in range(300):
+        try:
+            if httpx.get(url + "/healthz").status_code == 200:
+                return proc, url, token
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    raise SystemExit("the server did not become healthy")
+
+
+async def worker(url: str, token: str, stop_at: float, think_s: float, seed: int, out: dict) -> None:
+    """Whole episodes until `stop_at`; records each step's latency and each episode's status."""
+    env = reflow.make("reflow/Remote-v0", url=url, env_id=ENV_ID, token=token)
+    try:
+        while time.perf_counter() < stop_at:
+            seed += 1000
+            obs = await env.reset(seed=seed)
+            out["sessions"] += 1
+            policy, history = scripted_policy(env, 0.0, seed), list(obs.messages)
+            while True:
+                if think_s:
+                    await asyncio.sleep(think_s * random.uniform(0.5, 1.5))
+                turn = parse_assistant(policy(history, obs.tools), tools=env.unwrapped.tools)
+                t0 = time.perf_counter()
+                step = await env.step(turn)
+                out["latency"].append(time.perf_counter() - t0)
+                history += [turn.to_message(), *step.messages]
+                if step.done:
+                    out["statuses"][step.info.get("status", "?")] = (
+                        out["statuses"].get(step.info.get("status"), 0) + 1
+                    )
+                    break
+    finally:
+        await env.close()
+
+
+async def run(url: str, token: str, sessions: int, seconds: float, think_s: float) -> dict:
+    out: dict = {"latency": [], "statuses": {}, "sessions": 0}
+    start = time.perf_counter()
+    stop_at = start + seconds
+    await asyncio.gather(*(worker(url, token, stop_at, think_s, i, out) for i in range(sessions)))
+    wall = time.perf_counter() - start
+    lat = np.array(out["latency"]) * 1000
+    return {
+        "sessions": sessions,
+        "think_ms": think_s * 1000,
+        "steps": len(lat),
+        "steps_per_s": len(lat) / wall,
+        "p50_ms": float(np.percentile(lat, 50)),
+        "p99_ms": float(np.percentile(lat, 99)),
+        "episodes": out["sessions"],
+        "statuses": out["statuses"],
+    }
+
+
+def run_loop(coro):
+    """The load generator's own loop: uvloop when installed (the server extra brings it)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sessions", default="64,256", help="comma-separated concurrent session counts")
+    parser.add_argument("--seconds", type=float, default=8.0, help="length of each run")
+    parser.add_argument("--rate", type=float, default=500.0, help="steps/s all sessions offer in paced runs")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    counts = [int(n) for n in args.sessions.split(",")]
+    proc, url, token = start_server(max(counts) + 16)
+    results, rss = [], {"start": rss_mb(proc.pid)}
+    try:
+        for n in counts:
+            for think_ms in (0.0, 1000 * n / args.rate):
+                r = run_loop(run(url, token, n, args.seconds, think_ms / 1000))
+                cap = httpx.get(url + "/v1/capacity", headers={"Authorization": f"Bearer {token}"}).json()
+                r["left_on_server"] = cap["live_sessions"]
+                r["rss_after_mb"] = rss_mb(proc.pid)
+                results.append(r)
+                print(
+                    f"{n:4d} sessions, think {think_ms:5.0f} ms: {r['steps_per_s']:7.0f} steps/s, "
+                    f"p50 {r['p50_ms']:6.1f} ms, p99 {r['p99_ms']:6.1f} ms, {r['episodes']} episodes "
+                    f"{r['statuses']}, left on server {r['left_on_server']}, server RSS {r['rss_after_mb']:.0f} MB",
+                    flush=True,
+                )
+        # the same load again: memory must stay where it was
+        again = run_loop(run(url, token, counts[0], args.seconds, 0.0))
+        rss["after_repeat"] = rss_mb(proc.pid)
+        results.append({**again, "repeat": True})
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    lost = sum(r["episodes"] - sum(r["statuses"].values()) for r in results)
+    not_ok = sum(v for r in results for k, v in r["statuses"].items() if k != "ok")
+    print(
+        f"server RSS: start {rss['start']:.0f} MB, after the runs {results[-2]['rss_after_mb']:.0f} MB, "
+        f"after repeating the first load {rss['after_repeat']:.0f} MB; episodes lost {lost}, not ok {not_ok}"
+    )
+    if args.json:
+        print(json.dumps({"runs": results, "rss_mb": rss}))
+    return 1 if lost or not_ok or any(r.get("left_on_server") for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
