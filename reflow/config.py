@@ -71,6 +71,7 @@ class RolloutSection(_Section):
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
+    stop: list[str] = Field(default_factory=list, description="stop strings ending a turn (besides EOS)")
     max_new_tokens: int = Field(128, gt=0, description="per turn")
     max_context_tokens: int = Field(4096, gt=0)
     max_generated_tokens: int = Field(2048, gt=0, description="per episode")

@@ -181,3 +181,44 @@ def test_checkpoints_are_pruned_and_half_written_ones_ignored(tmp_path):
     (tmp_path / ".tmp-step-000004").mkdir()  # a save killed midway
     (tmp_path / "step-000005").mkdir()  # no state.json: not finished
     assert latest_checkpoint(tmp_path).name == "step-000003"
+
+
+@pytest.mark.slow
+def test_fsdp2_two_ranks_match_one_rank(tmp_path):
+    """Two gloo ranks with the model sharded by fully_shard take the same step as one rank."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "fsdp.pt"
+    tests = Path(__file__).parent
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(tests / "fsdp_worker.py"), str(rank), "2", str(port), str(out)], cwd=tests
+        )
+        for rank in range(2)
+    ]
+    assert [p.wait(timeout=180) for p in procs] == [0, 0]
+    sharded = torch.load(out, weights_only=False)
+
+    single = PolicyTrainer(_model(), 0, TrainerConfig(lr=1e-2, bf16=False))
+    grads = {}
+    step = single.optimizer.step
+
+    def capture(*args, **kwargs):
+        grads.update({n: p.grad.clone() for n, p in single.model.named_parameters()})
+        return step(*args, **kwargs)
+
+    single.optimizer.step = capture
+    metrics = single.train_step(_rows(8))
+    assert sharded["metrics"]["trained_tokens"] == metrics["trained_tokens"]
+    assert sharded["metrics"]["loss"] == pytest.approx(metrics["loss"], abs=1e-5)
+    for name, grad in grads.items():
+        assert torch.allclose(sharded["grads"][name], grad, atol=1e-6), name
+    # Adam's first step is ~lr * sign(grad): gradients that are float noise may flip, no more than that
+    for key, value in single.model.state_dict().items():
+        assert torch.allclose(sharded["state"][key], value, atol=2.5e-2), key

@@ -35,9 +35,7 @@ def cmd_agent_train(args: argparse.Namespace) -> int:
             config = load_config(run_dir / "config.yaml", args.overrides)
             config.out_dir, config.run_name = str(run_dir.parent), run_dir.name
         else:
-            if not args.config:
-                raise ConfigError("give --config FILE (see configs/) or --resume RUN")
-            config = load_config(args.config, args.overrides)
+            config = load_config(args.config, args.overrides)  # no file: overrides alone (env.id=...)
     except ConfigError as e:
         console.print(f"[red]{e}[/red]")
         return 2

@@ -54,6 +54,7 @@ def _sampling(config: RunConfig, greedy: bool = False, max_new_tokens: int | Non
         temperature=0.0 if greedy else r.temperature,
         top_p=r.top_p,
         top_k=r.top_k,
+        stop=list(r.stop),
     )
 
 
@@ -166,11 +167,13 @@ class TrainerRank:
         """Join the process group (several ranks), load the model, build the trainer. Separate from
         `__init__` because every rank must be created before rank 0 can publish its address."""
         import torch
+        from transformers.utils import logging as hf_logging
 
         from reflow.models import load_model
         from reflow.train.losses import LossConfig
         from reflow.train.trainer import PolicyTrainer, TrainerConfig, init_distributed
 
+        hf_logging.disable_progress_bar()  # a progress bar per checkpoint save is noise in the run log
         config = self.config
         torch.set_num_threads(_threads(config))
         torch.manual_seed(config.seed)

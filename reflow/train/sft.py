@@ -105,10 +105,13 @@ def sft_train(
         lr=cfg.lr,
     )
 
-    def lr_at(step: int) -> float:
+    def lr_at(step: int, elapsed: float) -> float:
         if step < cfg.warmup_steps:
             return cfg.lr * (step + 1) / cfg.warmup_steps
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+        # Cosine decay over whichever budget runs out first, steps or seconds: a run cut by its time
+        # budget still ends at the low learning rate (which is where the loss drops).
+        by_steps = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+        progress = min(1.0, max(by_steps, elapsed / cfg.max_seconds))
         return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
     use_bf16 = _bf16_helps() if cfg.bf16 is None else cfg.bf16
@@ -121,7 +124,7 @@ def sft_train(
             batches = pack_batches(rows, cfg.batch_tokens, rng, shared_prefix_len(rows))
         batch = batches.pop()
         for group in opt.param_groups:
-            group["lr"] = lr_at(report.steps)
+            group["lr"] = lr_at(report.steps, time.monotonic() - start)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
             loss, n_tokens = masked_nll(model, batch, pad_id)
         opt.zero_grad(set_to_none=True)

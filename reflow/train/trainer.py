@@ -112,7 +112,8 @@ class PolicyTrainer:
         global_tokens = self._all_reduce(float(local_tokens))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, float] = {}
+        keys = ("loss", "entropy", "clip_frac", "w_mean", "masked_frac", "kl_behav")
+        totals: dict[str, float] = dict.fromkeys(keys, 0.0)
         w_max = 0.0
         for batch in self._micro_batches(rows):
             t = self._forward(batch)
@@ -125,9 +126,9 @@ class PolicyTrainer:
             # whole step (all ranks), and undo FSDP's averaging of gradients across ranks.
             (loss * n * self.world_size / max(global_tokens, 1.0)).backward()
             for key in ("clip_frac", "w_mean", "masked_frac", "kl_behav"):
-                totals[key] = totals.get(key, 0.0) + _sum_stat(stats, key) * n
-            totals["loss"] = totals.get("loss", 0.0) + float(loss.detach()) * n
-            totals["entropy"] = totals.get("entropy", 0.0) + float((entropy * t["mask"]).sum())
+                totals[key] += _sum_stat(stats, key) * n
+            totals["loss"] += float(loss.detach()) * n
+            totals["entropy"] += float((entropy * t["mask"]).sum())
             w_max = max(w_max, _sum_stat(stats, "w_max"))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)

@@ -1,0 +1,33 @@
+"""One rank of the FSDP2 test: train one step on its shard, write the full weights (rank 0)."""
+
+import sys
+
+import torch
+from test_trainer import _model, _rows
+
+from reflow.train.batch import shard_rows
+from reflow.train.trainer import PolicyTrainer, TrainerConfig, init_distributed
+
+
+def main(rank: int, world: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    init_distributed(rank, world, "127.0.0.1", port, "gloo")
+    trainer = PolicyTrainer(_model(), 0, TrainerConfig(lr=1e-2, bf16=False))
+    rows = shard_rows(_rows(8), world)[rank]
+    grads = {}
+    step = trainer.optimizer.step
+
+    def capture(*args, **kwargs):  # the reduced gradient, unsharded (a collective on every rank)
+        grads.update({n: p.grad.full_tensor() for n, p in trainer.model.named_parameters()})
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = capture
+    metrics = trainer.train_step(rows)
+    state = trainer.full_state_dict()
+    if rank == 0:
+        torch.save({"state": state, "metrics": metrics, "grads": grads}, out)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
