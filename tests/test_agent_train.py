@@ -100,7 +100,9 @@ def test_sync_steps_on_ray_update_weights_versions_and_store(tmp_path, ray_env, 
             assert group.policy_version == group.last_step - 1
             for ep in group.episodes:
                 assert ep.policy_version_start == group.last_step - 1
-                sampled = [v for seg in ep.segments for v, m in zip(seg.versions, seg.loss_mask) if m]
+                sampled = [
+                    v for seg in ep.segments for v, m in zip(seg.versions, seg.loss_mask, strict=True) if m
+                ]
                 assert sampled and set(sampled) == {group.last_step - 1}
     evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [e["version"] for e in evals if e["kind"] == "eval"] == [0, 2, 3]
