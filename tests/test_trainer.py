@@ -98,6 +98,36 @@ def test_micro_batches_give_the_same_update_as_one_batch():
         assert torch.allclose(g1[k], g2[k], atol=1e-6), k
 
 
+def test_shared_prompt_prefix_runs_once_with_the_same_loss_and_gradients(monkeypatch):
+    rng = random.Random(5)
+    prompt = [rng.randrange(1, 64) for _ in range(30)]
+    rows = []
+    for adv in [1.0, -1.0, 0.5, -0.5]:
+        seg = Segment(0)
+        seg.extend_prompt(prompt + [rng.randrange(1, 64) for _ in range(rng.randint(1, 4))])
+        seg.extend_sampled([rng.randrange(1, 64) for _ in range(5)], [-2.0] * 5, [0] * 5)
+        rows.append(TrainRow(seg, adv))
+    results = []
+    for shared in (True, False):
+        if not shared:
+            monkeypatch.setattr("reflow.train.trainer.shared_prefix_len", lambda segments: 0)
+        trainer = PolicyTrainer(_model(), 0, TrainerConfig(behaviour_is_prox=False, bf16=False))
+        grads = {}
+        step = trainer.optimizer.step
+
+        def capture(*args, _trainer=trainer, _step=step, _grads=grads, **kwargs):
+            _grads.update({n: p.grad.clone() for n, p in _trainer.model.named_parameters()})
+            return _step(*args, **kwargs)
+
+        trainer.optimizer.step = capture
+        results.append((trainer.train_step(rows), grads))
+    (m1, g1), (m2, g2) = results
+    for key in ("loss", "w_mean", "kl_behav", "entropy", "trained_tokens"):
+        assert m1[key] == pytest.approx(m2[key], abs=1e-5), key
+    for name in g1:
+        assert torch.allclose(g1[name], g2[name], atol=1e-6), name
+
+
 def test_zero_advantage_rows_do_not_move_the_policy():
     trainer = PolicyTrainer(_model(), 0, TrainerConfig(lr=1e-2, bf16=False, weight_decay=0.0))
     rows = [TrainRow(r.segment, 0.0) for r in _rows()]

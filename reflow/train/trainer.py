@@ -27,10 +27,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from reflow.records import Segment
-from reflow.train.logprobs import pad_segments, token_logprobs
+from reflow.train.logprobs import logprobs_from_logits, pad_segments, token_logprobs
 from reflow.train.losses import LossConfig, policy_loss
+from reflow.train.prefix import shared_prefix_len, suffix_logits
 from reflow.train.sft import _bf16_helps, pack_batches
 
 
@@ -92,17 +94,32 @@ class PolicyTrainer:
 
     def _micro_batches(self, rows: Sequence[TrainRow]) -> list[list[TrainRow]]:
         by_segment = {id(r.segment): r for r in rows}
-        batches = pack_batches([r.segment for r in rows], self.cfg.micro_batch_tokens, self.rng)
+        segments = [r.segment for r in rows]
+        shared = shared_prefix_len(segments) if self.world_size == 1 else 0
+        batches = pack_batches(segments, self.cfg.micro_batch_tokens, self.rng, shared)
         return [[by_segment[id(s)] for s in batch] for batch in batches]
 
     def _forward(self, batch: list[TrainRow]) -> dict[str, torch.Tensor]:
-        ids, attn, mask, behav, _ = pad_segments([r.segment for r in batch], self.pad_id)
-        adv = torch.tensor([r.advantage for r in batch], dtype=torch.float32)[:, None].expand_as(behav)
+        """Per-token log-probs, entropy, loss mask, behaviour log-probs and advantages, from the first
+        position not shared by the whole batch on (a shared prompt prefix runs once and has no loss)."""
+        segments = [r.segment for r in batch]
+        ids, attn, mask, behav, _ = pad_segments(segments, self.pad_id)
+        # One rank only: under FSDP2 a second forward call before backward is not worth the risk.
+        shared = shared_prefix_len(segments) if self.world_size == 1 else 0
         with torch.autocast(self.model.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            logp, entropy = token_logprobs(
-                self.model, ids, attn, temperature=self.cfg.temperature, entropy="detached"
-            )
-        return {"logp": logp, "entropy": entropy, "mask": mask.float(), "behav": behav, "adv": adv}
+            if shared:
+                logits, suffix_ids, _ = suffix_logits(self.model, segments, self.pad_id, shared)
+                lp, ent = logprobs_from_logits(
+                    logits[:, :-1], suffix_ids[:, 1:], temperature=self.cfg.temperature
+                )
+                logp, entropy = F.pad(lp, (1, 0)), F.pad(ent, (1, 0))
+            else:
+                logp, entropy = token_logprobs(
+                    self.model, ids, attn, temperature=self.cfg.temperature, entropy="detached"
+                )
+        mask, behav = mask[:, shared:].float(), behav[:, shared:]
+        adv = torch.tensor([r.advantage for r in batch], dtype=torch.float32)[:, None].expand_as(behav)
+        return {"logp": logp, "entropy": entropy, "mask": mask, "behav": behav, "adv": adv}
 
     def train_step(self, rows: Sequence[TrainRow], step: int | None = None) -> dict[str, float]:
         """One optimizer step on `rows` (this rank's share). Returns loss and IS-health metrics."""
