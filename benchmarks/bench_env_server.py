@@ -3,9 +3,9 @@
 The server (`reflow serve-envs`, token auth) runs in its own process on loopback; this process plays
 N concurrent sessions, each a loop of whole episodes (create, scripted steps) through the real client.
 Two runs per N: closed loop (every session steps again as soon as it has its answer: the throughput
-ceiling, where latency is mostly queueing, N / throughput) and paced (each session "thinks" between
-steps, as a policy generating its next turn would, so that all N together offer `--rate` steps/s:
-the step latency at that load). It checks that no session is lost (every episode ends "ok", none is
+ceiling, where latency is mostly queueing, N / throughput) and paced (each session sends its steps
+on a jittered schedule, as a policy generating its turns would, so that all N together offer `--rate`
+steps/s: the step latency at that load). It checks that no session is lost (every episode ends "ok", none is
 left live on the server) and prints the server's RSS at start, after each run, and after the first
 load is played again.
 
@@ -62,9 +62,14 @@ def start_server(max_sessions: int) -> tuple[subprocess.Popen, str, str]:
     raise SystemExit("the server did not become healthy")
 
 
-async def worker(url: str, token: str, stop_at: float, think_s: float, seed: int, out: dict) -> None:
-    """Whole episodes until `stop_at`; records each step's latency and each episode's status."""
+async def worker(url: str, token: str, stop_at: float, interval_s: float, seed: int, out: dict) -> None:
+    """Whole episodes until `stop_at`; records each step's latency and each episode's status.
+
+    With `interval_s`, steps start on a schedule that averages one per interval (jittered), whatever
+    the latency, as a policy would send them; without, each step follows the last answer at once.
+    """
     env = reflow.make("reflow/Remote-v0", url=url, env_id=ENV_ID, token=token)
+    next_at = time.perf_counter() + random.uniform(0, interval_s)
     try:
         while time.perf_counter() < stop_at:
             seed += 1000
@@ -72,8 +77,9 @@ async def worker(url: str, token: str, stop_at: float, think_s: float, seed: int
             out["sessions"] += 1
             policy, history = scripted_policy(env, 0.0, seed), list(obs.messages)
             while True:
-                if think_s:
-                    await asyncio.sleep(think_s * random.uniform(0.5, 1.5))
+                if interval_s:
+                    await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+                    next_at += interval_s * random.uniform(0.5, 1.5)
                 turn = parse_assistant(policy(history, obs.tools), tools=env.unwrapped.tools)
                 t0 = time.perf_counter()
                 step = await env.step(turn)
@@ -88,16 +94,16 @@ async def worker(url: str, token: str, stop_at: float, think_s: float, seed: int
         await env.close()
 
 
-async def run(url: str, token: str, sessions: int, seconds: float, think_s: float) -> dict:
+async def run(url: str, token: str, sessions: int, seconds: float, interval_s: float) -> dict:
     out: dict = {"latency": [], "statuses": {}, "sessions": 0}
     start = time.perf_counter()
     stop_at = start + seconds
-    await asyncio.gather(*(worker(url, token, stop_at, think_s, i, out) for i in range(sessions)))
+    await asyncio.gather(*(worker(url, token, stop_at, interval_s, i, out) for i in range(sessions)))
     wall = time.perf_counter() - start
     lat = np.array(out["latency"]) * 1000
     return {
         "sessions": sessions,
-        "think_ms": think_s * 1000,
+        "offered_steps_per_s": sessions / interval_s if interval_s else None,
         "steps": len(lat),
         "steps_per_s": len(lat) / wall,
         "p50_ms": float(np.percentile(lat, 50)),
@@ -128,14 +134,15 @@ def main() -> int:
     results, rss = [], {"start": rss_mb(proc.pid)}
     try:
         for n in counts:
-            for think_ms in (0.0, 1000 * n / args.rate):
-                r = run_loop(run(url, token, n, args.seconds, think_ms / 1000))
+            for interval_s in (0.0, n / args.rate):
+                r = run_loop(run(url, token, n, args.seconds, interval_s))
                 cap = httpx.get(url + "/v1/capacity", headers={"Authorization": f"Bearer {token}"}).json()
                 r["left_on_server"] = cap["live_sessions"]
                 r["rss_after_mb"] = rss_mb(proc.pid)
                 results.append(r)
+                load = f"paced at {args.rate:g}/s" if interval_s else "closed loop"
                 print(
-                    f"{n:4d} sessions, think {think_ms:5.0f} ms: {r['steps_per_s']:7.0f} steps/s, "
+                    f"{n:4d} sessions, {load:>16}: {r['steps_per_s']:5.0f} steps/s, "
                     f"p50 {r['p50_ms']:6.1f} ms, p99 {r['p99_ms']:6.1f} ms, {r['episodes']} episodes "
                     f"{r['statuses']}, left on server {r['left_on_server']}, server RSS {r['rss_after_mb']:.0f} MB",
                     flush=True,
