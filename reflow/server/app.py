@@ -27,7 +27,7 @@ from reflow.env import make
 from reflow.env.registration import spec_kwargs
 from reflow.server.auth import OPEN_PATHS, SECURITY_SCHEME, TokenGate
 from reflow.server.routes import capacity, envs, error_response, health, sessions
-from reflow.server.schemas import ApiError
+from reflow.server.schemas import ApiError, StepRequest
 from reflow.server.sessions import SessionManager, served_env_ids
 from reflow.server.settings import ServerSettings
 
@@ -141,6 +141,9 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
     """FastAPI's document, with the bearer scheme on every route but health (TokenGate enforces it
     before routing, so no route declares it) and the served env ids as the choices of `env_id`."""
     doc = copy.deepcopy(app.openapi())
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    step = StepRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(step.pop("$defs", {}), StepRequest=step)  # the step route reads its body itself
     if app.state.settings.token is not None:
         doc.setdefault("components", {})["securitySchemes"] = {"HTTPBearer": SECURITY_SCHEME}
         for path, operations in doc["paths"].items():
