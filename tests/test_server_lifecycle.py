@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+from sandbox_helpers import BACKENDS
 from server_helpers import TOKEN, ServerProcess, remote_kwargs
 
 import reflow
@@ -16,6 +17,24 @@ from reflow.env import parse_assistant, play_episode, scripted_policy
 from reflow.server.schemas import TRANSITIONS, InvalidTransition, check_transition
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 1"}}</tool_call>'
+
+
+def test_serve_envs_refuses_to_start_open_to_the_network(tmp_path, monkeypatch):
+    from reflow.server.cli import main
+
+    monkeypatch.delenv("REFLOW_SERVER_TOKEN", raising=False)
+    with pytest.raises(SystemExit, match="no token"):
+        main(["--port", "0"])
+    with pytest.raises(SystemExit, match="only on a loopback host"):
+        main(["--no-auth", "--host", "0.0.0.0"])
+    short = tmp_path / "short"
+    short.write_text("abc")
+    short.chmod(0o600)
+    with pytest.raises(ValueError, match="at least 16 characters"):
+        main(["--token-file", str(short)])
+    monkeypatch.setenv("REFLOW_SERVER_TOKEN", "too short")
+    with pytest.raises(ValueError, match="at least 16"):
+        main(["--port", "0"])
 
 
 def test_the_state_table_allows_only_its_moves():
@@ -81,8 +100,8 @@ class ThreadServer:
         self.thread.join(30)
 
 
-@pytest.mark.bwrap
-async def test_reaping_and_ending_release_the_sandbox():
+@pytest.mark.parametrize("kind", BACKENDS)
+async def test_reaping_and_ending_release_the_sandbox(kind):
     from reflow.sandbox import shared_pool
     from reflow.server.settings import ServerSettings
 
@@ -91,14 +110,14 @@ async def test_reaping_and_ending_release_the_sandbox():
         idle_timeout_s=0.6,
         reaper_interval_s=0.1,
         env_ids=["reflow/PyCode-v0"],
-        env_kwargs={"reflow/PyCode-v0": {"sandbox": "process"}},
+        env_kwargs={"reflow/PyCode-v0": {"sandbox": kind}},
     )
     with ThreadServer(settings) as server:
-        pool = shared_pool("process")  # the pool the server's PyCode envs draw from
+        pool = shared_pool(kind)  # the pool the server's PyCode envs draw from
         env = reflow.make("reflow/Remote-v0", url=server.url, env_id="reflow/PyCode-v0", token=TOKEN)
         policy = scripted_policy(env, 0.0, 0)
         obs = await env.reset(seed=0)
-        assert obs.info["sandbox"] == "process"
+        assert obs.info["sandbox"] == kind
         text = policy(obs.messages, obs.tools)
         result = await env.step(parse_assistant(text, tools=env.unwrapped.tools))
         assert result.messages[0]["content"].startswith("exit code: 0")
