@@ -1,7 +1,9 @@
 """Env server load benchmark: steps/s and step latency of reflow/Calc-v0 sessions through `RemoteEnv`.
 
 The server (`reflow serve-envs`, token auth) runs in its own process on loopback; this process plays
-N concurrent sessions, each a loop of whole episodes (create, scripted steps) through the real client.
+N concurrent sessions, each a loop of whole episodes (create, scripted steps) through the real client,
+spread over `--clients` processes as rollout workers would be (one Python client process saturates a
+core before the server does).
 Two runs per N: closed loop (every session steps again as soon as it has its answer: the throughput
 ceiling, where latency is mostly queueing, N / throughput) and paced (each session sends its steps
 on a jittered schedule, as a policy generating its turns would, so that all N together offer `--rate`
@@ -9,7 +11,7 @@ steps/s: the step latency at that load). It checks that no session is lost (ever
 left live on the server) and prints the server's RSS at start, after each run, and after the first
 load is played again.
 
-Usage: python benchmarks/bench_env_server.py [--sessions 64,256] [--seconds 8] [--rate 500] [--json]
+Usage: python benchmarks/bench_env_server.py [--sessions 64,256] [--seconds 8] [--rate 500] [--clients 2]
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -94,32 +98,60 @@ async def worker(url: str, token: str, stop_at: float, interval_s: float, seed: 
         await env.close()
 
 
-async def run(url: str, token: str, sessions: int, seconds: float, interval_s: float) -> dict:
+async def play(url: str, token: str, sessions: int, seed0: int, seconds: float, interval_s: float) -> dict:
     out: dict = {"latency": [], "statuses": {}, "sessions": 0}
     start = time.perf_counter()
     stop_at = start + seconds
-    await asyncio.gather(*(worker(url, token, stop_at, interval_s, i, out) for i in range(sessions)))
-    wall = time.perf_counter() - start
-    lat = np.array(out["latency"]) * 1000
+    await asyncio.gather(*(worker(url, token, stop_at, interval_s, seed0 + i, out) for i in range(sessions)))
+    out["wall"] = time.perf_counter() - start
+    return out
+
+
+def client_process(
+    url: str, token: str, sessions: int, seed0: int, seconds: float, interval_s: float, start_at: float
+) -> dict:
+    """One load-generating process: waits for the common start, then plays its share of the sessions."""
+    time.sleep(max(0.0, start_at - time.time()))
+    coro = play(url, token, sessions, seed0, seconds, interval_s)
+    try:
+        import uvloop  # the load generator's own loop: uvloop when installed (the server extra has it)
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def measure(
+    pool: ProcessPoolExecutor,
+    clients: int,
+    url: str,
+    token: str,
+    sessions: int,
+    seconds: float,
+    interval_s: float,
+) -> dict:
+    """`sessions` spread over `clients` processes (one Python client saturates a core first)."""
+    start_at = time.time() + 1.0
+    shares = [sessions // clients + (i < sessions % clients) for i in range(clients)]
+    futures = [
+        pool.submit(client_process, url, token, n, 10_000 * i, seconds, interval_s, start_at)
+        for i, n in enumerate(shares)
+    ]
+    outs = [f.result() for f in futures]
+    lat = np.array([x for o in outs for x in o["latency"]]) * 1000
+    statuses: dict[str, int] = {}
+    for o in outs:
+        for k, v in o["statuses"].items():
+            statuses[k] = statuses.get(k, 0) + v
     return {
         "sessions": sessions,
         "offered_steps_per_s": sessions / interval_s if interval_s else None,
         "steps": len(lat),
-        "steps_per_s": len(lat) / wall,
+        "steps_per_s": len(lat) / max(o["wall"] for o in outs),
         "p50_ms": float(np.percentile(lat, 50)),
         "p99_ms": float(np.percentile(lat, 99)),
-        "episodes": out["sessions"],
-        "statuses": out["statuses"],
+        "episodes": sum(o["sessions"] for o in outs),
+        "statuses": statuses,
     }
-
-
-def run_loop(coro):
-    """The load generator's own loop: uvloop when installed (the server extra brings it)."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
 
 
 def main() -> int:
@@ -127,15 +159,17 @@ def main() -> int:
     parser.add_argument("--sessions", default="64,256", help="comma-separated concurrent session counts")
     parser.add_argument("--seconds", type=float, default=8.0, help="length of each run")
     parser.add_argument("--rate", type=float, default=500.0, help="steps/s all sessions offer in paced runs")
+    parser.add_argument("--clients", type=int, default=2, help="load-generating processes")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     counts = [int(n) for n in args.sessions.split(",")]
     proc, url, token = start_server(max(counts) + 16)
     results, rss = [], {"start": rss_mb(proc.pid)}
+    pool = ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"))
     try:
         for n in counts:
             for interval_s in (0.0, n / args.rate):
-                r = run_loop(run(url, token, n, args.seconds, interval_s))
+                r = measure(pool, args.clients, url, token, n, args.seconds, interval_s)
                 cap = httpx.get(url + "/v1/capacity", headers={"Authorization": f"Bearer {token}"}).json()
                 r["left_on_server"] = cap["live_sessions"]
                 r["rss_after_mb"] = rss_mb(proc.pid)
@@ -148,10 +182,11 @@ def main() -> int:
                     flush=True,
                 )
         # the same load again: memory must stay where it was
-        again = run_loop(run(url, token, counts[0], args.seconds, 0.0))
+        again = measure(pool, args.clients, url, token, counts[0], args.seconds, 0.0)
         rss["after_repeat"] = rss_mb(proc.pid)
         results.append({**again, "repeat": True})
     finally:
+        pool.shutdown()
         proc.terminate()
         proc.wait(30)
     lost = sum(r["episodes"] - sum(r["statuses"].values()) for r in results)
