@@ -7,6 +7,16 @@ inspect | export` (reflow/replay/cli.py) read it from the command line. This pac
 `reflow.records` and `reflow.env`: never the trainer or the engines.
 """
 
+from reflow.replay.cycle import AdmissionControl, BatchPlan, CycleConfig, ReplayShare, consume, plan_batch
 from reflow.replay.store import ReplayStore, StoredGroup
 
-__all__ = ["ReplayStore", "StoredGroup"]
+__all__ = [
+    "AdmissionControl",
+    "BatchPlan",
+    "CycleConfig",
+    "ReplayShare",
+    "ReplayStore",
+    "StoredGroup",
+    "consume",
+    "plan_batch",
+]

@@ -282,6 +282,18 @@ class ReplayStore:
                 f"SELECT COUNT(*) FROM groups WHERE run = ?{where}", (self.run,)
             ).fetchone()[0]
 
+    def reuse_histogram(self, *, spread: bool | None = None) -> dict[int, int]:
+        """Consumption count -> number of groups of this run (0: never consumed), from the group rows
+        only; spread=True/False: only groups with / without reward spread. For per-step metrics and
+        for admission control, which counts groups with spread (F5)."""
+        where = {None: "", True: " AND reward_spread > 0", False: " AND reward_spread = 0"}[spread]
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT consumed, COUNT(*) FROM groups WHERE run = ?{where} GROUP BY consumed ORDER BY consumed",
+                (self.run,),
+            ).fetchall()
+        return dict(rows)
+
     def episodes(self, *, run: str | None = None, min_version: int | None = None) -> Iterator[EpisodeRecord]:
         """Every stored episode in arrival order (group by group). run=None: every run in the file, not
         just this store's; min_version filters on the episode's policy_version_start."""
