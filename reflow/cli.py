@@ -197,7 +197,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # argparse stops collecting positionals at the first option: `KEY=VALUE --resume R KEY=VALUE`
+        # leaves the later overrides here. Commands with overrides take them; anything else is an error.
+        if hasattr(args, "overrides") and all("=" in item and not item.startswith("-") for item in extra):
+            args.overrides = [*args.overrides, *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.fn(args)
     except KeyError as e:  # an unknown env id or parser: one clear line, not a traceback

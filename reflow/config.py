@@ -60,6 +60,7 @@ class WarmstartSection(_Section):
     batch_tokens: int = Field(4096, gt=0)
     demo_env_kwargs: dict[str, Any] = Field(default_factory=dict, description="a curriculum for the demos")
     cache: bool = Field(True, description="reuse a warm-start built earlier with identical settings")
+    seed: int = Field(0, description="the warm start's own seed: runs with other RL seeds share it")
 
 
 class RolloutSection(_Section):
@@ -110,6 +111,27 @@ class EvalSection(_Section):
     )
     episodes: int = Field(100, ge=0)
     max_new_tokens: int = Field(128, gt=0)
+    deferred: bool = Field(
+        False,
+        description="snapshot the weights at each evaluation point and evaluate after the run, so that "
+        "evaluation never competes with training (the mode benchmark uses this)",
+    )
+
+
+class ReplaySection(_Section):
+    """Staleness bound of `async` mode and the dual replay cycle of `reflow` mode (DESIGN.md)."""
+
+    eta: int = Field(1, ge=0, description="async/reflow: rollouts run at most eta policy versions ahead")
+    tau_max: int = Field(2, ge=0, description="reflow: replayed groups are at most this many versions old")
+    max_reuse: int = Field(2, ge=1, description="reflow: times a group may be trained on, the first included")
+    share_init: float = Field(0.25, ge=0, le=1, description="reflow: replayed share of a batch at the start")
+    share_min: float = Field(0.0, ge=0, le=1)
+    share_max: float = Field(0.5, ge=0, le=1)
+    share_step: float = Field(0.05, gt=0, le=1)
+    wait_high_s: float = Field(0.5, ge=0, description="trainer wait for data above which the share rises")
+    masked_frac_max: float = Field(0.02, ge=0, le=1, description="IS health bound: share falls above it")
+    kl_max: float = Field(0.05, ge=0, description="IS health bound on behaviour-vs-current KL")
+    prefer_spread: bool = True
 
 
 class ResourcesSection(_Section):
@@ -133,7 +155,9 @@ class ResourcesSection(_Section):
 
 class RunConfig(_Section):
     run_name: str = "run"
-    mode: Literal["sync"] = "sync"
+    mode: Literal["sync", "async", "reflow"] = Field(
+        "sync", description="sync: generate then train; async: bounded staleness; reflow: async + replay"
+    )
     seed: int = 0
     out_dir: str = "runs"
     model: str = Field("tiny", description="a preset (tiny, smollm2-135m) or a local HF folder")
@@ -145,6 +169,7 @@ class RunConfig(_Section):
     rollout: RolloutSection = Field(default_factory=RolloutSection)
     train: TrainSection = Field(default_factory=TrainSection)
     eval: EvalSection = Field(default_factory=EvalSection)
+    replay: ReplaySection = Field(default_factory=ReplaySection)
     resources: ResourcesSection = Field(default_factory=ResourcesSection)
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
@@ -153,6 +178,9 @@ class RunConfig(_Section):
     def _consistent(self) -> RunConfig:
         if self.rollout.max_new_tokens > self.rollout.max_context_tokens:
             raise ValueError("rollout.max_new_tokens cannot exceed rollout.max_context_tokens")
+        r = self.replay
+        if not r.share_min <= r.share_init <= r.share_max:
+            raise ValueError("replay shares must satisfy share_min <= share_init <= share_max")
         return self
 
     @property

@@ -53,7 +53,17 @@ TINY_CONFIG: dict[str, Any] = {
 }
 
 
-def train_tokenizer(corpus: Iterable[str] | None = None, vocab_size: int = 2048) -> Any:
+def pretokenize_pattern(digits_per_token: int = 1) -> str:
+    """Qwen's pattern, or with runs of up to `digits_per_token` digits kept together (as GPT-4's
+    tokenizer keeps up to 3): a tiny model then copies a number as one or two tokens, not digit by digit."""
+    if digits_per_token == 1:
+        return PRETOKENIZE_PATTERN
+    return PRETOKENIZE_PATTERN.replace(r"|\p{N}|", rf"|\p{{N}}{{1,{digits_per_token}}}|")
+
+
+def train_tokenizer(
+    corpus: Iterable[str] | None = None, vocab_size: int = 2048, digits_per_token: int = 1
+) -> Any:
     """Train the byte-level BPE tokenizer; returns a `PreTrainedTokenizerFast` (not yet saved)."""
     from tokenizers import (
         AddedToken,
@@ -73,7 +83,9 @@ def train_tokenizer(corpus: Iterable[str] | None = None, vocab_size: int = 2048)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.Split(
+                Regex(pretokenize_pattern(digits_per_token)), behavior="isolated", invert=False
+            ),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
@@ -118,6 +130,7 @@ def build_tiny(
     corpus: Iterable[str] | None = None,
     vocab_size: int = 2048,
     seed: int = 0,
+    digits_per_token: int = 1,
     **config_overrides: Any,
 ) -> Path:
     """Build the tiny Qwen3 model and its tokenizer into `out_dir` (created); returns the folder.
@@ -130,7 +143,7 @@ def build_tiny(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(corpus, vocab_size)
+    tokenizer = train_tokenizer(corpus, vocab_size, digits_per_token)
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
     pad_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
     fields = {**TINY_CONFIG, **config_overrides}
@@ -154,7 +167,13 @@ def build_tiny(
     make_tokenizer_config_portable(out)
     (out / "reflow_preset.json").write_text(
         json.dumps(
-            {"preset": "tiny", "builder_version": BUILDER_VERSION, "seed": seed, "vocab_size": vocab_size}
+            {
+                "preset": "tiny",
+                "builder_version": BUILDER_VERSION,
+                "seed": seed,
+                "vocab_size": vocab_size,
+                "digits_per_token": digits_per_token,
+            }
         )
     )
     return out

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
 from reflow.config import ConfigError, load_config
@@ -14,6 +15,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="a YAML run config (configs/*.yaml)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.lr=3e-4")
     p.add_argument("--resume", metavar="RUN", help="a run folder (or a name under runs/) to continue")
+    p.add_argument(
+        "--overwrite", action="store_true", help="delete an existing run folder of the same name first"
+    )
     p.set_defaults(fn=cmd_agent_train)
 
 
@@ -36,6 +40,13 @@ def cmd_agent_train(args: argparse.Namespace) -> int:
             config.out_dir, config.run_name = str(run_dir.parent), run_dir.name
         else:
             config = load_config(args.config, args.overrides)  # no file: overrides alone (env.id=...)
+            if config.run_dir.exists() and any(config.run_dir.iterdir()):
+                if not args.overwrite:
+                    raise ConfigError(
+                        f"run folder {config.run_dir} exists: continue it with --resume {config.run_dir}, "
+                        "start over with --overwrite, or pick another run_name=..."
+                    )
+                shutil.rmtree(config.run_dir)
     except ConfigError as e:
         console.print(f"[red]{e}[/red]")
         return 2

@@ -31,7 +31,7 @@ def warmstart_key(config: RunConfig) -> str:
         "model": config.model,
         "overrides": config.model_overrides,
         "warmstart": config.warmstart.model_dump(exclude={"cache"}),
-        "seed": config.seed,
+        "seed": config.warmstart.seed,
         "builder": BUILDER_VERSION,
     }
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -62,7 +62,7 @@ def run_warmstart(config: RunConfig, log: RunLog) -> str:
         model_config=config.model_overrides or None,
         demo_env_kwargs=ws.demo_env_kwargs or None,
         eval_episodes=0,  # the RL loop's step-0 evaluation measures the warm-start level
-        seed=config.seed,
+        seed=config.warmstart.seed,
         log=lambda msg: log.console.print(f"  {msg}"),
     )
     shutil.rmtree(out, ignore_errors=True)

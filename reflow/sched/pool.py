@@ -20,7 +20,7 @@ from typing import Any
 import ray
 
 from reflow.config import RunConfig
-from reflow.replay import ReplayStore
+from reflow.sched.replay_service import ReplayService, cycle_config
 from reflow.sched.workers import RolloutWorker, TrainerRank
 
 ROLE_ACTORS: dict[str, type] = {"rollout": RolloutWorker, "train": TrainerRank}
@@ -42,9 +42,9 @@ class ResourcePool:
     def __init__(self, config: RunConfig, model_path: str, run_dir: str | Path) -> None:
         self.config = config
         self.replay = (
-            ray.remote(ReplayStore)
+            ray.remote(ReplayService)
             .options(num_cpus=0, max_concurrency=1)
-            .remote(str(Path(run_dir) / "replay.sqlite"), config.run_name)
+            .remote(str(Path(run_dir) / "replay.sqlite"), config.run_name, cycle_config(config))
         )
         roles = config.resources.slots
         n_train = roles.count("train")

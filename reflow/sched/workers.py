@@ -44,7 +44,10 @@ class GroupReport:
 def _threads(config: RunConfig) -> int:
     if config.resources.threads_per_slot:
         return config.resources.threads_per_slot
-    return os.cpu_count() or 1  # sync mode: rollout and training take turns, each may use every core
+    cores = os.cpu_count() or 1
+    if config.mode == "sync":  # rollout and training take turns: each may use every core
+        return cores
+    return max(1, cores // len(config.resources.slots))  # they overlap: split the cores between slots
 
 
 def _sampling(config: RunConfig, greedy: bool = False, max_new_tokens: int | None = None) -> SamplingParams:
@@ -116,13 +119,21 @@ class RolloutWorker:
         for spec in self.config.env.plugins:
             load_env_plugin(spec)
 
-    async def generate(self, seeds: list[int]) -> list[GroupReport]:
-        """One group per task seed, all in flight together; each is durable in the store on return."""
+    async def generate(self, seeds: list[int], group_ids: list[str] | None = None) -> list[GroupReport]:
+        """One group per task seed, all in flight together; each is durable in the store on return.
+        `group_ids` name groups registered in flight beforehand (admission control)."""
         adv_scale = self.config.train.advantage_scale
 
-        async def one(seed: int) -> GroupReport:
+        async def one(seed: int, group_id: str | None) -> GroupReport:
             start = time.monotonic()
-            records = await run_group(self.runner, self._make_env, self.config.rollout.group_size, seed=seed)
+            try:
+                records = await run_group(
+                    self.runner, self._make_env, self.config.rollout.group_size, seed=seed, group_id=group_id
+                )
+            except BaseException:
+                if group_id is not None:  # never arrives: free its admission slot
+                    await self.replay.end_group.remote(group_id)
+                raise
             statuses = [r.status for r in records]
             advantages = group_advantages(
                 [r.reward for r in records], scale=adv_scale, mask=train_mask(statuses)
@@ -130,7 +141,8 @@ class RolloutWorker:
             await self.replay.add_group.remote(records, advantages, meta={"seed": seed, "worker": self.index})
             return report_group(records, time.monotonic() - start)
 
-        return list(await asyncio.gather(*(one(s) for s in seeds)))
+        ids = group_ids or [None] * len(seeds)
+        return list(await asyncio.gather(*(one(s, g) for s, g in zip(seeds, ids, strict=True))))
 
     async def update_weights(self, state_dict: dict[str, Any], version: int) -> int:
         return await self.engine.update_weights(state_dict=state_dict, version=version)

@@ -1,0 +1,68 @@
+"""The replay-store actor: the durable store plus the dual-cycle queries the training loop asks of it.
+
+Batch plans travel back to the driver as group ids and ages, never as records: the trainer ranks read
+the records from this actor themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from reflow.config import RunConfig
+from reflow.replay import ReplayStore
+from reflow.replay.cycle import CycleConfig, accepted_groups, consume, plan_batch
+
+
+def cycle_config(config: RunConfig) -> CycleConfig:
+    r = config.replay
+    return CycleConfig(
+        tau_max=r.tau_max,
+        max_reuse=r.max_reuse,
+        share_init=r.share_init,
+        share_min=r.share_min,
+        share_max=r.share_max,
+        share_step=r.share_step,
+        wait_high_s=r.wait_high_s,
+        masked_frac_max=r.masked_frac_max,
+        kl_max=r.kl_max,
+        prefer_spread=r.prefer_spread,
+    )
+
+
+@dataclass
+class PlannedBatch:
+    group_ids: list[str]
+    staleness: list[int]
+    metrics: dict[str, float]
+
+
+class ReplayService(ReplayStore):
+    def __init__(self, path: str, run: str, cycle: CycleConfig) -> None:
+        super().__init__(path, run)
+        self.cycle = cycle
+
+    def plan_and_consume(
+        self, want: int, current_version: int, share: float, allow_replay: bool, step: int
+    ) -> PlannedBatch | None:
+        """Plan a batch of `want` groups (fresh first, replay to fill when allowed); when it is full,
+        mark it consumed by `step` at once (so no other plan takes the same fresh groups) and return
+        it, else None (the caller waits for more rollouts). Zero-spread fresh groups passed over are
+        retired either way."""
+        plan = plan_batch(
+            self,
+            want=want,
+            current_version=current_version,
+            share=share,
+            cfg=self.cycle,
+            allow_replay=allow_replay,
+        )
+        if plan.size < want:
+            if plan.skipped:
+                self.mark_consumed([g.group_id for g in plan.skipped], step)
+            return None
+        consume(self, plan, step)
+        return PlannedBatch(plan.group_ids, plan.staleness(current_version), plan.metrics(current_version))
+
+    def accepted(self) -> int:
+        """Groups with reward spread ever stored in this run (what admission control counts)."""
+        return accepted_groups(self)
