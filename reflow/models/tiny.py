@@ -1,4 +1,4 @@
-"""The `tiny` preset: a few-million-parameter Qwen3 and a byte-level BPE tokenizer, built offline.
+"""The `tiny` preset: a ~0.9M-parameter Qwen3 and a byte-level BPE tokenizer, built offline.
 
 `build_tiny(out_dir)` writes an ordinary Hugging Face folder (config.json, model.safetensors,
 generation_config.json, tokenizer.json, tokenizer_config.json with the chat template), so that
@@ -8,8 +8,13 @@ load it. Nothing is downloaded: the tokenizer is trained here with `tokenizers` 
 folder contents on every machine.
 
 Tokenizer choices, and why:
-- byte-level BPE with Qwen2's pre-tokenizer regex (digits split one per token, like Qwen), and no
-  normalizer, so that decode(encode(text)) == text for any unicode string (Qwen's NFC would not);
+- byte-level BPE with Qwen2's pre-tokenizer regex, except that runs of up to 3 digits stay together
+  (as in GPT-4's tokenizer; `digits_per_token=1` gives Qwen's one digit per token), and no
+  normalizer, so that decode(encode(text)) == text for any unicode string (Qwen's NFC would not).
+  Measured on the calculator env: with whole numbers as one token a tiny model learns to copy
+  operands 25% held-out success after a 4-minute warm start, against 2-11% digit by digit;
+- the size (3 layers, width 128) is what a 2-core CPU can warm-start in minutes: a 3.7M-parameter
+  version (width 256, 4 layers) ran ~3x fewer steps in the same time and did not get there;
 - `<|im_end|>` is the EOS (the end of an assistant turn), `<|endoftext|>` the pad; the tool-call and
   think markup are single tokens but not "special", so decoding with skip_special_tokens keeps them.
 """
@@ -31,7 +36,7 @@ from reflow.models.chat_template import (
 from reflow.models.corpus import generic_corpus
 
 # Bump when the builder's output changes, so cached preset folders are rebuilt.
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3
 
 # Qwen2/Qwen3's pre-tokenization pattern (as in their tokenizer.json).
 PRETOKENIZE_PATTERN = (
@@ -40,12 +45,12 @@ PRETOKENIZE_PATTERN = (
 )
 
 TINY_CONFIG: dict[str, Any] = {
-    "hidden_size": 256,
-    "intermediate_size": 768,
-    "num_hidden_layers": 4,
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 3,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
-    "head_dim": 64,
+    "head_dim": 32,
     "max_position_embeddings": 4096,
     "tie_word_embeddings": True,
     "rms_norm_eps": 1e-6,
@@ -53,7 +58,7 @@ TINY_CONFIG: dict[str, Any] = {
 }
 
 
-def pretokenize_pattern(digits_per_token: int = 1) -> str:
+def pretokenize_pattern(digits_per_token: int = 3) -> str:
     """Qwen's pattern, or with runs of up to `digits_per_token` digits kept together (as GPT-4's
     tokenizer keeps up to 3): a tiny model then copies a number as one or two tokens, not digit by digit."""
     if digits_per_token == 1:
@@ -62,7 +67,7 @@ def pretokenize_pattern(digits_per_token: int = 1) -> str:
 
 
 def train_tokenizer(
-    corpus: Iterable[str] | None = None, vocab_size: int = 2048, digits_per_token: int = 1
+    corpus: Iterable[str] | None = None, vocab_size: int = 2048, digits_per_token: int = 3
 ) -> Any:
     """Train the byte-level BPE tokenizer; returns a `PreTrainedTokenizerFast` (not yet saved)."""
     from tokenizers import (
@@ -130,7 +135,7 @@ def build_tiny(
     corpus: Iterable[str] | None = None,
     vocab_size: int = 2048,
     seed: int = 0,
-    digits_per_token: int = 1,
+    digits_per_token: int = 3,
     **config_overrides: Any,
 ) -> Path:
     """Build the tiny Qwen3 model and its tokenizer into `out_dir` (created); returns the folder.

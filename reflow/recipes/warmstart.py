@@ -70,12 +70,12 @@ def warmstart(
     model_name: str,
     out_dir: str | Path,
     *,
-    demos: int = 600,
-    error_rate: float = 0.3,
+    demos: int = 2000,
+    error_rate: float = 0.05,
     seconds: float = 200.0,
-    max_steps: int = 2000,
-    lr: float = 3e-3,
-    batch_tokens: int = 4096,
+    max_steps: int = 5000,
+    lr: float = 1e-2,
+    batch_tokens: int = 2048,
     model_config: dict[str, Any] | None = None,
     demo_env_kwargs: dict[str, Any] | None = None,
     eval_episodes: int = 100,
@@ -137,12 +137,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--env", required=True)
     p.add_argument("--model", default="tiny", help="a preset name or a local HF folder")
     p.add_argument("--out", help="output folder (default runs/warmstart-<env>)")
-    p.add_argument("--demos", type=int, default=600, help="scripted episodes to learn from")
-    p.add_argument("--error-rate", type=float, default=0.3, help="slip probability of the demonstrations")
+    p.add_argument("--demos", type=int, default=2000, help="scripted episodes to learn from")
+    p.add_argument("--error-rate", type=float, default=0.05, help="slip probability of the demonstrations")
     p.add_argument("--seconds", type=float, default=200.0, help="SFT time budget")
-    p.add_argument("--max-steps", type=int, default=2000)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per optimizer step")
+    p.add_argument("--max-steps", type=int, default=5000)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=2048,
+        help="padded tokens per step (a shared prompt prefix counts once)",
+    )
     p.add_argument(
         "--model-config",
         type=json.loads,

@@ -58,7 +58,8 @@ def suffix_logits(
     if shared == 0:
         return model(input_ids=ids, attention_mask=attn).logits, ids, mask
     prefix = torch.tensor([rows[0].token_ids[:shared]], device=device)
-    cache = model(input_ids=prefix, use_cache=True).past_key_values
+    out = model(input_ids=prefix, use_cache=True)
+    cache = out["cache"] if "cache" in out else out.past_key_values  # renamed in transformers 5.2x
     cache.batch_repeat_interleave(batch)
     logits = model(input_ids=ids, attention_mask=attn, use_cache=False, **{_cache_kwarg(model): cache}).logits
     return logits, ids, mask

@@ -1,0 +1,191 @@
+"""`reflow bench modes`: sync, async and reflow on identical hardware, initial weights, task order and
+seeds; a Markdown table and PNG plots of what each mode buys.
+
+    reflow bench modes --config configs/calc-tiny.yaml --seeds 3 --budget-minutes 4
+
+Every run gets the same wall-clock training budget (evaluation excluded: weights are snapshotted at
+each evaluation point and evaluated after the run, so evaluation never competes with training) and
+starts from the same cached warm start. Time to target is the training time at the first held-out
+evaluation at or above the target success (default: 90% of the lowest best-success among the modes,
+so that every mode can reach it and the comparison is about speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+from pathlib import Path
+from typing import Any
+
+MODES = ("sync", "async", "reflow")
+
+
+def run_modes(
+    config_path: str, seeds: int, budget_minutes: float, out_dir: Path, overrides: list[str], log: Any
+) -> list[dict[str, Any]]:
+    from reflow.config import load_config
+    from reflow.recipes.agent_train import train
+    from reflow.recipes.run_log import read_metrics
+
+    results = []
+    for seed in range(seeds):
+        for mode in MODES:
+            config = load_config(
+                config_path,
+                [
+                    *overrides,
+                    f"mode={mode}",
+                    f"seed={seed}",
+                    f"run_name=bench-{mode}-seed{seed}",
+                    f"out_dir={out_dir}",
+                    f"train.seconds={budget_minutes * 60}",
+                    "train.steps=100000",
+                    "eval.deferred=true",
+                ],
+            )
+            shutil.rmtree(config.run_dir, ignore_errors=True)  # a rerun starts clean
+            log(f"[bold]bench[/bold] {mode} seed {seed}: {budget_minutes} min budget")
+            summary = train(config)
+            steps = read_metrics(config.run_dir, "step")
+            evals = read_metrics(config.run_dir, "eval")
+            results.append({"mode": mode, "seed": seed, "summary": summary, "steps": steps, "evals": evals})
+    return results
+
+
+def _mean_std(values: list[float]) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    mean = statistics.fmean(values)
+    spread = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{mean:.4g} ± {spread:.2g}"
+
+
+def _step_mean(steps: list[dict[str, Any]], key: str) -> float | None:
+    values = [s[key] for s in steps if s.get(key) is not None]
+    return statistics.fmean(values) if values else None
+
+
+def default_target(results: list[dict[str, Any]]) -> float:
+    best = {
+        mode: statistics.fmean(
+            max(e["success_rate"] for e in r["evals"]) for r in results if r["mode"] == mode
+        )
+        for mode in MODES
+        if any(r["mode"] == mode for r in results)
+    }
+    return round(0.9 * min(best.values()), 3)
+
+
+def table(results: list[dict[str, Any]], target: float, budget_minutes: float) -> str:
+    from reflow.recipes.train_parts import time_to_target
+
+    rows = [
+        f"Target held-out success: {target:.3f}; budget {budget_minutes:g} min of training per run; "
+        f"mean ± std over {len({r['seed'] for r in results})} seeds (time to target: seeds that reached it, n shown).",
+        "",
+        "| mode | time to target (s) | reached | held-out at budget | start | gen tok/s | trained tok/s "
+        "| rollout idle | trainer idle | staleness mean | reuse (mean uses/group) | IS w mean | IS w max "
+        "| masked frac | steps |",
+        "| --- " * 15 + "|",
+    ]
+    for mode in MODES:
+        runs = [r for r in results if r["mode"] == mode]
+        if not runs:
+            continue
+        times = [time_to_target(r["evals"], target) for r in runs]
+        reuse = []
+        for r in runs:
+            hist = {int(k): v for k, v in r["summary"]["reuse_hist"].items() if int(k) > 0}
+            reuse.append(sum(k * v for k, v in hist.items()) / max(1, sum(hist.values())))
+        cells = [
+            mode,
+            _mean_std([t for t in times if t is not None]),
+            f"{sum(t is not None for t in times)}/{len(runs)}",
+            _mean_std([r["evals"][-1]["success_rate"] for r in runs]),
+            _mean_std([r["evals"][0]["success_rate"] for r in runs]),
+            _mean_std([r["summary"]["generated_tokens_per_s"] for r in runs]),
+            _mean_std([r["summary"]["trained_tokens_per_s"] for r in runs]),
+            _mean_std([r["summary"]["rollout_idle_ratio"] for r in runs]),
+            _mean_std([r["summary"]["trainer_idle_ratio"] for r in runs]),
+            _mean_std([_step_mean(r["steps"], "staleness_mean") for r in runs]),
+            _mean_std(reuse),
+            _mean_std([_step_mean(r["steps"], "w_mean") for r in runs]),
+            _mean_std([max((s.get("w_max", 0.0) for s in r["steps"]), default=None) for r in runs]),
+            _mean_std([_step_mean(r["steps"], "masked_frac") for r in runs]),
+            _mean_std([r["summary"]["steps"] for r in runs]),
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def plot(results: list[dict[str, Any]], out: Path, target: float) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    colors = {"sync": "tab:blue", "async": "tab:orange", "reflow": "tab:green"}
+    for r in results:
+        evals = r["evals"]
+        label = r["mode"] if r["seed"] == 0 else None
+        axes[0].plot(
+            [e["wall_s"] for e in evals],
+            [e["success_rate"] for e in evals],
+            "o-",
+            color=colors[r["mode"]],
+            alpha=0.6,
+            label=label,
+        )
+        axes[1].plot(
+            [s["wall_s"] for s in r["steps"]],
+            [s.get("trained_tokens_per_s", 0) for s in r["steps"]],
+            color=colors[r["mode"]],
+            alpha=0.6,
+            label=label,
+        )
+    axes[0].axhline(target, color="grey", linestyle="--", linewidth=1, label="target")
+    axes[0].set(
+        xlabel="training seconds (evaluation excluded)", ylabel="held-out success (greedy)", ylim=(0, 1)
+    )
+    axes[1].set(xlabel="training seconds", ylabel="trained tokens/s (cumulative)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path = out / "bench_modes.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks that print figures")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    p = bench_sub.add_parser("modes", help="sync vs async vs reflow at equal hardware and budget")
+    p.add_argument("--config", required=True)
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--budget-minutes", type=float, default=4.0, help="training wall-clock per run")
+    p.add_argument("--target", type=float, help="held-out success target (default: see module docs)")
+    p.add_argument("--out", default="runs/bench-modes")
+    p.set_defaults(fn=cmd_bench_modes)
+
+
+def cmd_bench_modes(args: argparse.Namespace) -> int:
+    from reflow.cli import console
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = run_modes(args.config, args.seeds, args.budget_minutes, out, args.overrides, console.print)
+    target = args.target if args.target is not None else default_target(results)
+    markdown = table(results, target, args.budget_minutes)
+    (out / "bench_modes.md").write_text(markdown)
+    (out / "bench_modes.json").write_text(json.dumps({"target": target, "results": results}, default=str))
+    png = plot(results, out, target)
+    console.print(markdown)
+    console.print(f"table: {out / 'bench_modes.md'}, plot: {png}")
+    return 0

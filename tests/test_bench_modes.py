@@ -1,0 +1,47 @@
+"""The mode benchmark's table: time to target, spread across seeds, reuse and IS columns."""
+
+from reflow.recipes.bench_modes import default_target, plot, table
+
+
+def _run(mode, seed, successes, dt=10.0, reuse=None):
+    evals = [{"wall_s": i * dt, "success_rate": s} for i, s in enumerate(successes)]
+    steps = [
+        {
+            "wall_s": i * dt,
+            "staleness_mean": 0.5,
+            "w_mean": 1.0,
+            "w_max": 1.2,
+            "masked_frac": 0.0,
+            "trained_tokens_per_s": 100.0,
+        }
+        for i in range(3)
+    ]
+    summary = {
+        "generated_tokens_per_s": 1000.0 + seed,
+        "trained_tokens_per_s": 500.0,
+        "rollout_idle_ratio": 0.2,
+        "trainer_idle_ratio": 0.4,
+        "reuse_hist": reuse or {"1": 10},
+        "steps": 30,
+    }
+    return {"mode": mode, "seed": seed, "evals": evals, "steps": steps, "summary": summary}
+
+
+def test_table_reports_time_to_target_and_spread(tmp_path):
+    results = [
+        _run("sync", 0, [0.1, 0.2, 0.3, 0.4]),
+        _run("sync", 1, [0.1, 0.3, 0.35, 0.4]),
+        _run("async", 0, [0.1, 0.35, 0.4, 0.4]),
+        _run("async", 1, [0.1, 0.1, 0.1, 0.1]),  # never reaches the target
+        _run("reflow", 0, [0.1, 0.4, 0.4, 0.5], reuse={"1": 6, "2": 4}),
+        _run("reflow", 1, [0.1, 0.45, 0.5, 0.5], reuse={"0": 3, "1": 6, "2": 4}),
+    ]
+    # lowest best-success mean among modes is async's (0.4 + 0.1) / 2 = 0.25 -> 0.9 * 0.25
+    assert default_target(results) == 0.225
+    md = table(results, target=0.3, budget_minutes=1)
+    rows = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if line.startswith("| ")}
+    assert "| 15 ± 7.1 | 2/2 |" in rows["sync"]  # the seeds reach 0.3 at t = 20 and t = 10
+    assert "| 10 ± 0 | 1/2 |" in rows["async"]
+    assert "| 10 ± 0 | 2/2 |" in rows["reflow"]
+    assert "1.4 ± 0" in rows["reflow"]  # mean uses per consumed group: (6*1 + 4*2) / 10
+    assert plot(results, tmp_path, 0.3).stat().st_size > 1000
