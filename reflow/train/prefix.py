@@ -59,7 +59,8 @@ def suffix_logits(
         return model(input_ids=ids, attention_mask=attn).logits, ids, mask
     prefix = torch.tensor([rows[0].token_ids[:shared]], device=device)
     out = model(input_ids=prefix, use_cache=True)
-    cache = out["cache"] if "cache" in out else out.past_key_values  # renamed in transformers 5.2x
+    # `cache` in transformers >= 5.2x; reading past_key_values there warns, so no .get(default)
+    cache = out["cache"] if "cache" in out else out.past_key_values  # noqa: SIM401
     cache.batch_repeat_interleave(batch)
     logits = model(input_ids=ids, attention_mask=attn, use_cache=False, **{_cache_kwarg(model): cache}).logits
     return logits, ids, mask
