@@ -26,10 +26,12 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# Until `reflow agent-train` lands (issue F4), the main job plays every built-in env with its
-# scripted demonstration policy (10% slips) and prints success and episode-length figures.
+# The main job: warm-start the tiny model on the calculator env, then RL (sync mode on a local Ray);
+# ~10 minutes on 2 CPU cores. Results, checkpoints, plots and the replay store land in runs/calc-tiny.
+# A second `make train` reuses the cached warm start; add `warmstart.cache=false` to redo it.
+TRAIN_CONFIG ?= configs/calc-tiny.yaml
 train: $(STAMP)
-	$(VENV)/bin/reflow envs play --all --episodes 50 --error-rate 0.1
+	RAY_AUTH_MODE=disabled $(VENV)/bin/reflow agent-train --config $(TRAIN_CONFIG) --overwrite $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -73,3 +73,18 @@ def test_bad_override_syntax_and_files(tmp_path):
 def test_plugins_register_envs_before_the_id_is_checked():
     config = validate_config({"env": {"plugins": ["fake_envs:register_test_envs"], "id": "test/Parity-v0"}})
     assert config.env.id == "test/Parity-v0"
+
+
+def test_agent_train_refuses_to_clobber_an_existing_run(tmp_path, capsys):
+    from reflow.cli import main
+
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    args = ["agent-train", "env.id=reflow/Calc-v0", f"out_dir={tmp_path}", "run_name=r"]
+    assert main(args) == 2
+    assert "--resume" in capsys.readouterr().out
+    assert (run / "metrics.jsonl").exists()
+    assert main(["agent-train", "--resume", str(tmp_path / "nothing")]) == 2
+    assert "no run to resume" in capsys.readouterr().out
+    assert main(["agent-train", "--config", str(tmp_path / "missing.yaml")]) == 2
