@@ -1,17 +1,19 @@
-"""Env server load benchmark: steps/s and step latency of reflow/Calc-v0 sessions through `RemoteEnv`.
+"""Env server load benchmark: steps/s and step latency of reflow/Calc-v0 sessions.
 
-The server (`reflow serve-envs`, token auth) runs in its own process on loopback; this process plays
-N concurrent sessions, each a loop of whole episodes (create, scripted steps) through the real client,
-spread over `--clients` processes as rollout workers would be (one Python client process saturates a
-core before the server does).
+The server (`reflow serve-envs`, token auth) runs in its own process on loopback. N concurrent
+sessions each play whole episodes (create, scripted steps) in a loop, spread over `--clients` load
+processes. Two clients: `remote` is the real one (`RemoteEnv`, httpx), the end-to-end figure; `raw`
+sends the same requests over plain keep-alive HTTP/1.1, so that the load generator costs little and
+the figure is the server's (on a 2-core machine the httpx client needs about twice the server's CPU).
 Two runs per N: closed loop (every session steps again as soon as it has its answer: the throughput
-ceiling, where latency is mostly queueing, N / throughput) and paced (each session sends its steps
-on a jittered schedule, as a policy generating its turns would, so that all N together offer `--rate`
-steps/s: the step latency at that load). It checks that no session is lost (every episode ends "ok", none is
-left live on the server) and prints the server's RSS at start, after each run, and after the first
-load is played again.
+ceiling, where latency is mostly queueing, N / throughput) and paced (each session sends its steps on
+a jittered schedule, as a policy generating its turns would, so that all N together offer `--rate`
+steps/s: the step latency at that load). It checks that no session is lost (every episode ends "ok",
+none is left live on the server) and prints the server's RSS at start, after each run, and after the
+first load is played again.
 
-Usage: python benchmarks/bench_env_server.py [--sessions 64,256] [--seconds 8] [--rate 500] [--clients 2]
+Usage: python benchmarks/bench_env_server.py [--sessions 64,256] [--seconds 8] [--rate 500]
+       [--clients 2] [--client remote,raw] [--json]
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
@@ -36,6 +40,7 @@ import reflow
 from reflow.env import parse_assistant, scripted_policy
 
 ENV_ID = "reflow/Calc-v0"
+WARMUP_S = 1.0
 
 
 def rss_mb(pid: int) -> float:
@@ -66,14 +71,33 @@ def start_server(max_sessions: int) -> tuple[subprocess.Popen, str, str]:
     raise SystemExit("the server did not become healthy")
 
 
-async def worker(url: str, token: str, stop_at: float, interval_s: float, seed: int, out: dict) -> None:
-    """Whole episodes until `stop_at`; records each step's latency and each episode's status.
+class Pacer:
+    """With an interval, steps start on a jittered schedule averaging one per interval, whatever the
+    latency (as a policy would send them); without, each step follows the last answer at once."""
 
-    With `interval_s`, steps start on a schedule that averages one per interval (jittered), whatever
-    the latency, as a policy would send them; without, each step follows the last answer at once.
-    """
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.next_at = time.perf_counter() + random.uniform(0, interval_s)
+
+    async def start(self) -> None:
+        """Paced sessions start spread over one interval, not all at once."""
+        if self.interval_s:
+            await asyncio.sleep(max(0.0, self.next_at - time.perf_counter()))
+
+    async def wait(self) -> None:
+        if self.interval_s:
+            await asyncio.sleep(max(0.0, self.next_at - time.perf_counter()))
+            self.next_at += self.interval_s * random.uniform(0.5, 1.5)
+
+
+def record_end(out: dict, status: str) -> None:
+    out["statuses"][status] = out["statuses"].get(status, 0) + 1
+
+
+async def remote_worker(url: str, token: str, stop_at: float, pacer: Pacer, seed: int, out: dict) -> None:
+    """Whole episodes through `reflow.make("reflow/Remote-v0")`, as a rollout worker plays them."""
     env = reflow.make("reflow/Remote-v0", url=url, env_id=ENV_ID, token=token)
-    next_at = time.perf_counter() + random.uniform(0, interval_s)
+    await pacer.start()
     try:
         while time.perf_counter() < stop_at:
             seed += 1000
@@ -81,38 +105,105 @@ async def worker(url: str, token: str, stop_at: float, interval_s: float, seed: 
             out["sessions"] += 1
             policy, history = scripted_policy(env, 0.0, seed), list(obs.messages)
             while True:
-                if interval_s:
-                    await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
-                    next_at += interval_s * random.uniform(0.5, 1.5)
+                await pacer.wait()
                 turn = parse_assistant(policy(history, obs.tools), tools=env.unwrapped.tools)
                 t0 = time.perf_counter()
                 step = await env.step(turn)
-                out["latency"].append(time.perf_counter() - t0)
+                out["latency"].append((t0, time.perf_counter() - t0))
                 history += [turn.to_message(), *step.messages]
                 if step.done:
-                    out["statuses"][step.info.get("status", "?")] = (
-                        out["statuses"].get(step.info.get("status"), 0) + 1
-                    )
+                    record_end(out, step.info.get("status", "?"))
                     break
     finally:
         await env.close()
 
 
-async def play(url: str, token: str, sessions: int, seed0: int, seconds: float, interval_s: float) -> dict:
+class RawHTTP:
+    """Just enough HTTP/1.1 over one keep-alive connection for the load generator."""
+
+    def __init__(self, url: str, token: str) -> None:
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.headers = (
+            f"Host: {self.host}\r\nAuthorization: Bearer {token}\r\nContent-Type: application/json\r\n"
+        )
+        self.conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+        if self.conn is None:
+            self.conn = await asyncio.open_connection(self.host, self.port)
+        reader, writer = self.conn
+        data = json.dumps(body).encode() if body is not None else b""
+        writer.write(
+            f"{method} {path} HTTP/1.1\r\n{self.headers}Content-Length: {len(data)}\r\n\r\n".encode() + data
+        )
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        length = next(int(h.split(":", 1)[1]) for h in head if h.lower().startswith("content-length:"))
+        return int(head[0].split()[1]), json.loads(await reader.readexactly(length))
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn[1].close()
+
+
+async def raw_worker(url: str, token: str, stop_at: float, pacer: Pacer, seed: int, out: dict) -> None:
+    """The same episodes as `remote_worker`, with the scripted policy of a local copy of the env."""
+    local, http = reflow.make(ENV_ID), RawHTTP(url, token)
+    await pacer.start()
+    try:
+        while time.perf_counter() < stop_at:
+            seed += 1000
+            task, rng = local.pick_task(seed), random.Random(seed)
+            status, created = await http.call("POST", "/v1/sessions", {"env_id": ENV_ID, "seed": seed})
+            assert status == 201, created
+            out["sessions"] += 1
+            sid, history = created["session_id"], list(created["observation"]["messages"])
+            for index in range(1000):
+                await pacer.wait()
+                turn = parse_assistant(local.demo(task, history, rng, 0.0), tools=local.unwrapped.tools)
+                body = {"turn_index": index, "turn": asdict(turn)}
+                t0 = time.perf_counter()
+                status, step = await http.call("POST", f"/v1/sessions/{sid}/step", body)
+                out["latency"].append((t0, time.perf_counter() - t0))
+                assert status == 200, step
+                result = step["result"]
+                history += [turn.to_message(), *result["messages"]]
+                if result["terminated"] or result["truncated"]:
+                    record_end(out, result["info"].get("status", "?"))
+                    break
+    finally:
+        http.close()
+
+
+async def play(
+    kind: str, url: str, token: str, sessions: int, seed0: int, seconds: float, interval_s: float
+) -> dict:
     out: dict = {"latency": [], "statuses": {}, "sessions": 0}
+    worker = remote_worker if kind == "remote" else raw_worker
     start = time.perf_counter()
     stop_at = start + seconds
-    await asyncio.gather(*(worker(url, token, stop_at, interval_s, seed0 + i, out) for i in range(sessions)))
-    out["wall"] = time.perf_counter() - start
+    await asyncio.gather(
+        *(worker(url, token, stop_at, Pacer(interval_s), seed0 + i, out) for i in range(sessions))
+    )
+    # Steady state only: the first second (sessions starting) and the tail after the stop (sessions
+    # finishing their last episode) are left out.
+    out["latency"] = [lat for t0, lat in out["latency"] if start + WARMUP_S <= t0 < stop_at]
     return out
 
 
 def client_process(
-    url: str, token: str, sessions: int, seed0: int, seconds: float, interval_s: float, start_at: float
+    kind: str,
+    url: str,
+    token: str,
+    sessions: int,
+    seed0: int,
+    seconds: float,
+    interval_s: float,
+    start_at: float,
 ) -> dict:
     """One load-generating process: waits for the common start, then plays its share of the sessions."""
     time.sleep(max(0.0, start_at - time.time()))
-    coro = play(url, token, sessions, seed0, seconds, interval_s)
+    coro = play(kind, url, token, sessions, seed0, seconds, interval_s)
     try:
         import uvloop  # the load generator's own loop: uvloop when installed (the server extra has it)
     except ImportError:
@@ -122,18 +213,18 @@ def client_process(
 
 def measure(
     pool: ProcessPoolExecutor,
-    clients: int,
+    args: argparse.Namespace,
+    kind: str,
     url: str,
     token: str,
     sessions: int,
-    seconds: float,
     interval_s: float,
 ) -> dict:
-    """`sessions` spread over `clients` processes (one Python client saturates a core first)."""
+    """`sessions` spread over the client processes, started together; their figures merged."""
     start_at = time.time() + 1.0
-    shares = [sessions // clients + (i < sessions % clients) for i in range(clients)]
+    shares = [sessions // args.clients + (i < sessions % args.clients) for i in range(args.clients)]
     futures = [
-        pool.submit(client_process, url, token, n, 10_000 * i, seconds, interval_s, start_at)
+        pool.submit(client_process, kind, url, token, n, 10_000 * i, args.seconds, interval_s, start_at)
         for i, n in enumerate(shares)
     ]
     outs = [f.result() for f in futures]
@@ -143,10 +234,11 @@ def measure(
         for k, v in o["statuses"].items():
             statuses[k] = statuses.get(k, 0) + v
     return {
+        "client": kind,
         "sessions": sessions,
         "offered_steps_per_s": sessions / interval_s if interval_s else None,
         "steps": len(lat),
-        "steps_per_s": len(lat) / max(o["wall"] for o in outs),
+        "steps_per_s": len(lat) / args.seconds_measured,
         "p50_ms": float(np.percentile(lat, 50)),
         "p99_ms": float(np.percentile(lat, 99)),
         "episodes": sum(o["sessions"] for o in outs),
@@ -160,31 +252,38 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=8.0, help="length of each run")
     parser.add_argument("--rate", type=float, default=500.0, help="steps/s all sessions offer in paced runs")
     parser.add_argument("--clients", type=int, default=2, help="load-generating processes")
+    parser.add_argument(
+        "--client", default="remote,raw", help="remote (RemoteEnv), raw (plain HTTP), or both"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    args.seconds_measured = args.seconds - WARMUP_S
     counts = [int(n) for n in args.sessions.split(",")]
     proc, url, token = start_server(max(counts) + 16)
     results, rss = [], {"start": rss_mb(proc.pid)}
     pool = ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"))
     try:
-        for n in counts:
-            for interval_s in (0.0, n / args.rate):
-                r = measure(pool, args.clients, url, token, n, args.seconds, interval_s)
-                cap = httpx.get(url + "/v1/capacity", headers={"Authorization": f"Bearer {token}"}).json()
-                r["left_on_server"] = cap["live_sessions"]
-                r["rss_after_mb"] = rss_mb(proc.pid)
-                results.append(r)
-                load = f"paced at {args.rate:g}/s" if interval_s else "closed loop"
-                print(
-                    f"{n:4d} sessions, {load:>16}: {r['steps_per_s']:5.0f} steps/s, "
-                    f"p50 {r['p50_ms']:6.1f} ms, p99 {r['p99_ms']:6.1f} ms, {r['episodes']} episodes "
-                    f"{r['statuses']}, left on server {r['left_on_server']}, server RSS {r['rss_after_mb']:.0f} MB",
-                    flush=True,
-                )
-        # the same load again: memory must stay where it was
-        again = measure(pool, args.clients, url, token, counts[0], args.seconds, 0.0)
+        for kind in args.client.split(","):
+            for n in counts:
+                for interval_s in (0.0, n / args.rate):
+                    r = measure(pool, args, kind, url, token, n, interval_s)
+                    cap = httpx.get(url + "/v1/capacity", headers={"Authorization": f"Bearer {token}"}).json()
+                    r["left_on_server"] = cap["live_sessions"]
+                    r["rss_after_mb"] = rss_mb(proc.pid)
+                    results.append(r)
+                    load = f"paced at {args.rate:g}/s" if interval_s else "closed loop"
+                    print(
+                        f"{kind:>6} client, {n:4d} sessions, {load:>16}: {r['steps_per_s']:5.0f} steps/s, "
+                        f"p50 {r['p50_ms']:6.1f} ms, p99 {r['p99_ms']:6.1f} ms, {r['episodes']} episodes "
+                        f"{r['statuses']}, left on server {r['left_on_server']}, "
+                        f"server RSS {r['rss_after_mb']:.0f} MB",
+                        flush=True,
+                    )
+        rss["after_runs"] = rss_mb(proc.pid)
+        # the first load again: memory must stay where it was
+        kind = args.client.split(",")[0]
+        results.append({**measure(pool, args, kind, url, token, counts[0], 0.0), "repeat": True})
         rss["after_repeat"] = rss_mb(proc.pid)
-        results.append({**again, "repeat": True})
     finally:
         pool.shutdown()
         proc.terminate()
@@ -192,7 +291,7 @@ def main() -> int:
     lost = sum(r["episodes"] - sum(r["statuses"].values()) for r in results)
     not_ok = sum(v for r in results for k, v in r["statuses"].items() if k != "ok")
     print(
-        f"server RSS: start {rss['start']:.0f} MB, after the runs {results[-2]['rss_after_mb']:.0f} MB, "
+        f"server RSS: start {rss['start']:.0f} MB, after the runs {rss['after_runs']:.0f} MB, "
         f"after repeating the first load {rss['after_repeat']:.0f} MB; episodes lost {lost}, not ok {not_ok}"
     )
     if args.json:
