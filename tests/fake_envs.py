@@ -63,6 +63,10 @@ class CrashyEnv(EchoEnv):
         self.crash_on, self.crash_reset, self.turn = crash_on, crash_reset, 0
 
     async def _reset(self, task: Task) -> Observation:
+        if self.crash_reset == "infra":
+            from reflow.env import InfraError
+
+            raise InfraError("sandbox failed to start")
         if self.crash_reset:
             raise KeyError("database of tasks is gone")
         self.turn = 0

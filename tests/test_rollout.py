@@ -107,6 +107,16 @@ async def test_env_error_is_recorded(tiny_tokenizer):
     assert rec.status == "env_error" and "ZeroDivisionError" in rec.error and rec.n_turns == 2
 
 
+async def test_reset_failures_env_error_vs_infra_error(tiny_tokenizer):
+    engine = ScriptedEngine(tiny_tokenizer, ["hello"])
+    runner = EpisodeRunner(engine, tiny_tokenizer)
+    rec = await runner.run(reflow.make("test/Crashy-v0", crash_reset=True), seed=0)
+    assert (rec.status, rec.termination) == ("env_error", "reset_failed") and "KeyError" in rec.error
+    # a sandbox or env server that fails at reset is infrastructure: masked in training, not scored
+    rec = await runner.run(reflow.make("test/Crashy-v0", crash_reset="infra"), seed=0)
+    assert (rec.status, rec.termination) == ("infra_error", "reset_failed") and "sandbox failed" in rec.error
+
+
 async def test_turn_limit_and_token_budgets(tiny_tokenizer):
     engine = ScriptedEngine(tiny_tokenizer, ["talking"])
     rec = await EpisodeRunner(engine, tiny_tokenizer).run(reflow.make("test/Echo-v0", max_turns=3), seed=0)

@@ -220,7 +220,7 @@ async def test_remote_env_waits_out_a_full_server(server, http):
 async def test_remote_env_gives_up_on_a_server_that_stays_full(server, http):
     [_create(http) for _ in range(3)]
     env = reflow.make("reflow/Remote-v0", **remote_kwargs(server, "reflow/Calc-v0", retries=1))
-    with pytest.raises(reflow.env.EnvError, match="at_capacity"):
+    with pytest.raises(reflow.env.InfraError, match="at_capacity"):  # capacity is infrastructure
         await env.reset(seed=1)
     await env.close()
 

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from reflow.engine import Engine, GenerateResult, SamplingParams
-from reflow.env import Env, EnvError, Message, Task, parse_assistant
+from reflow.env import Env, EnvError, InfraError, Message, Task, parse_assistant
 from reflow.env.play import Policy
 from reflow.records import EpisodeRecord, Segment, TurnRecord
 from reflow.rollout.chat import ChatRenderer
@@ -104,6 +104,8 @@ class EpisodeRunner:
         t0 = time.monotonic()
         try:
             obs = await env.reset(task=task, seed=seed)
+        except InfraError as e:  # the sandbox or env server under the env failed: masked in training
+            raise _Stop("infra_error", "reset_failed", str(e)) from None
         except EnvError as e:
             raise _Stop("env_error", "reset_failed", str(e)) from None
         except TimeoutError as e:

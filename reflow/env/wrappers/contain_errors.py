@@ -3,7 +3,8 @@
 
 The caller gets a normal `StepResult` (truncated, reward 0, `info["status"] == "env_error"`, the error
 text in `info["error"]`) so one broken env cannot take down a batch of episodes. A failing `reset` has
-no episode to mark, so it raises `EnvError` with the cause attached.
+no episode to mark, so it raises `EnvError` with the cause attached (an `InfraError` passes through
+unchanged, and the episode runner marks the episode infra_error).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class ContainErrors(Wrapper):
             return await self.env.reset(task=task, seed=seed)
         except (ValueError, TypeError) as e:  # a bad task or argument from the caller: say so plainly
             raise ValueError(f"{self.unwrapped!r}: reset rejected its input: {e}") from e
+        except InfraError:  # a sandbox or env server that failed to start: not the env's fault
+            raise
         except Exception as e:
             raise EnvError(f"{self.unwrapped!r}: reset failed: {describe(e)}") from e
 
