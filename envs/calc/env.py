@@ -11,6 +11,7 @@ import ast
 import operator
 import random
 import re
+from typing import Any, ClassVar
 
 from reflow.env import (
     AssistantTurn,
@@ -101,6 +102,9 @@ def _apply(op: str, a: float, b: float) -> float:
 
 class CalcEnv(ToolEnv):
     required_task_keys = ("id", "question", "answer")
+    # Warm start on 1-2-step problems: a tiny model learns the operand copying there first (measured:
+    # 25% held-out success on the full 1-6-step set after 4 minutes, against 2% on 1-6-step demos).
+    demo_kwargs: ClassVar[dict[str, Any]] = {"max_steps": 2}
 
     def __init__(self, tasks: list[Task] | str | None = None, max_steps: int = 6) -> None:
         super().__init__(tasks)

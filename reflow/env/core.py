@@ -155,6 +155,9 @@ class Env:
 
     metadata: ClassVar[dict[str, Any]] = {}
     required_task_keys: ClassVar[tuple[str, ...]] = ("id",)
+    demo_kwargs: ClassVar[dict[str, Any]] = {}
+    """Constructor kwargs for warm-start demonstrations: a curriculum (e.g. only short tasks) that
+    `reflow warmstart` uses unless told otherwise. Evaluation always uses the env as registered."""
 
     def __init__(self, tasks: list[Task] | str | None = None) -> None:
         self.tasks: list[Task] | None = load_tasks(tasks) if isinstance(tasks, str) else tasks

@@ -91,6 +91,10 @@ def warmstart(
 
     start = time.monotonic()
     torch.manual_seed(seed)
+    if demo_env_kwargs is None:  # the env's own warm-start curriculum, if it declares one
+        probe = make(env_id)
+        demo_env_kwargs = dict(probe.unwrapped.demo_kwargs)
+        asyncio.run(probe.close())
     preset_kwargs: dict[str, Any] = dict(model_config or {})
     if model_name == "tiny":  # a fresh tiny model: fit its tokenizer to this env's text too
         preset_kwargs["corpus"] = [
@@ -158,7 +162,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--demo-env-kwargs",
         type=json.loads,
         default=None,
-        help="JSON of env kwargs for the demonstrations only (a curriculum), e.g. '{\"max_steps\": 2}' for Calc-v0",
+        help="JSON of env kwargs for the demonstrations only (a curriculum); default: the env's own "
+        "`demo_kwargs` (Calc-v0: 1-2-step problems); '{}' for none",
     )
     p.add_argument("--eval-episodes", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
