@@ -58,3 +58,20 @@ async def solo(tiny, ids: list[int], params: SamplingParams) -> list[int]:
         return (await eng.generate(ids, params)).output_ids
     finally:
         await eng.close()
+
+
+def small_qwen3(vocab_size: int = 64, seed: int = 0, **overrides: Any) -> Any:
+    """A randomly initialised 2-layer Qwen3 (width 32) built in code, for trainer and loss tests."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    fields = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        **overrides,
+    }
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab_size, **fields)).eval()

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from engine_helpers import small_qwen3
 
 from reflow.records import Segment
 from reflow.train.logprobs import logprobs_from_logits, pad_segments, token_logprobs
@@ -223,25 +224,10 @@ def test_config_validation_and_masked_mean():
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=64,
-        bos_token_id=None,
-        eos_token_id=1,
-        pad_token_id=0,
-    )
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = Qwen3ForCausalLM(config).to(torch.float32).eval()
-    return model
+        return small_qwen3(
+            vocab_size=64, max_position_embeddings=64, bos_token_id=None, eos_token_id=1, pad_token_id=0
+        )
 
 
 def _segments():

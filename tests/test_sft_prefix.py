@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+from engine_helpers import small_qwen3
 
 from reflow.records import Segment
 from reflow.train.prefix import shared_prefix_len
@@ -11,19 +12,7 @@ from reflow.train.sft import masked_nll, pack_batches
 
 
 def _model():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-    )
-    return Qwen3ForCausalLM(config)
+    return small_qwen3(vocab_size=128).train()
 
 
 def _rows(prefix_len: int, n: int = 5) -> list[Segment]:

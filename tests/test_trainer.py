@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+from engine_helpers import small_qwen3
 
 from reflow.records import EpisodeRecord, Segment
 from reflow.replay import StoredGroup
@@ -13,20 +14,7 @@ from reflow.train.trainer import PolicyTrainer, TrainerConfig, TrainRow
 
 
 def _model(seed: int = 0):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        tie_word_embeddings=True,
-    )
-    return Qwen3ForCausalLM(config).eval()
+    return small_qwen3(vocab_size=64, seed=seed, tie_word_embeddings=True)
 
 
 def _segment(rng: random.Random, prompt: int, sampled: int, logprob: float = -1.0) -> Segment:
