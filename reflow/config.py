@@ -54,8 +54,8 @@ class WarmstartSection(_Section):
     enabled: bool = True
     demos: int = Field(2000, gt=0)
     error_rate: float = Field(0.05, ge=0.0, le=1.0)
-    seconds: float = Field(200.0, gt=0)
-    max_steps: int = Field(5000, gt=0)
+    seconds: float = Field(280.0, gt=0)
+    max_steps: int = Field(900, gt=0)
     lr: float = Field(1e-2, gt=0)
     batch_tokens: int = Field(2048, gt=0)
     demo_env_kwargs: dict[str, Any] = Field(default_factory=dict, description="a curriculum for the demos")
@@ -111,6 +111,11 @@ class EvalSection(_Section):
     )
     episodes: int = Field(100, ge=0)
     max_new_tokens: int = Field(128, gt=0)
+    env_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="env kwargs of the held-out evaluation (None: env.kwargs); lets RL train on a "
+        "curriculum (e.g. Calc-v0 max_steps: 2) while evaluation covers the whole task distribution",
+    )
     deferred: bool = Field(
         False,
         description="snapshot the weights at each evaluation point and evaluate after the run, so that "

@@ -34,7 +34,7 @@ def cache_dir() -> Path:
 
 
 @contextmanager
-def _quiet_progress_bars() -> Iterator[None]:
+def quiet_progress_bars() -> Iterator[None]:
     """transformers draws a progress bar per save/load; a preset load should print nothing."""
     from transformers.utils import logging as hf_logging
 
@@ -66,7 +66,7 @@ def _build_cached(name: str, build: Callable[[Path], Path], kwargs: dict[str, An
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        with _quiet_progress_bars():
+        with quiet_progress_bars():
             build(tmp)
         try:
             tmp.rename(target)
@@ -122,7 +122,7 @@ def load_model(
     path = resolve_model_path(name_or_path, **preset_kwargs)
     if dtype is None:
         dtype = torch.float32 if str(device).startswith("cpu") else "auto"
-    with _quiet_progress_bars():
+    with quiet_progress_bars():
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.to(device).eval(), tokenizer

@@ -98,7 +98,9 @@ def sync_loop(
         t2 = time.monotonic()
         state.step, state.version = state.step + 1, state.version + 1
         sync_weights(pool, state.version)
-        ray.get(pool.replay.mark_consumed.remote(ids, state.step))
+        # the trained groups, and the zero-spread ones passed over (retired, as in the other modes)
+        retired = [r.group_id for r in reports if not r.has_spread]
+        ray.get(pool.replay.mark_consumed.remote([*ids, *retired], state.step))
         t3 = time.monotonic()
         state.rollout_busy_s += (t1 - t0) * len(pool.rollout)
         state.trainer_busy_s += t2 - t1

@@ -27,7 +27,7 @@ def warmstart_key(config: RunConfig) -> str:
     from reflow.models.tiny import BUILDER_VERSION
 
     blob = {
-        "env": config.env.model_dump(),
+        "env": config.env.id,  # demonstrations use warmstart.demo_env_kwargs, never env.kwargs
         "model": config.model,
         "overrides": config.model_overrides,
         "warmstart": config.warmstart.model_dump(exclude={"cache"}),

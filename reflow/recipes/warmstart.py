@@ -72,8 +72,8 @@ def warmstart(
     *,
     demos: int = 2000,
     error_rate: float = 0.05,
-    seconds: float = 200.0,
-    max_steps: int = 5000,
+    seconds: float = 280.0,
+    max_steps: int = 900,
     lr: float = 1e-2,
     batch_tokens: int = 2048,
     model_config: dict[str, Any] | None = None,
@@ -87,6 +87,7 @@ def warmstart(
     from reflow.engine.torch_engine import TorchEngine
     from reflow.models import load_model
     from reflow.models.corpus import generic_corpus
+    from reflow.models.presets import quiet_progress_bars
     from reflow.train.sft import SFTConfig, sft_train
 
     start = time.monotonic()
@@ -110,8 +111,9 @@ def warmstart(
     )
     report = sft_train(model, rows, tokenizer.pad_token_id, config, log=log)
     out = Path(out_dir)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    with quiet_progress_bars():
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
 
     async def held_out() -> dict[str, Any]:
         engine = TorchEngine(model, tokenizer, max_batch_size=32)
@@ -143,8 +145,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="output folder (default runs/warmstart-<env>)")
     p.add_argument("--demos", type=int, default=2000, help="scripted episodes to learn from")
     p.add_argument("--error-rate", type=float, default=0.05, help="slip probability of the demonstrations")
-    p.add_argument("--seconds", type=float, default=200.0, help="SFT time budget")
-    p.add_argument("--max-steps", type=int, default=5000)
+    p.add_argument("--seconds", type=float, default=280.0, help="SFT time cap")
+    p.add_argument(
+        "--max-steps", type=int, default=900, help="SFT steps (~200 s for the tiny model on 2 idle cores)"
+    )
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument(
         "--batch-tokens",

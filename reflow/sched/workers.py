@@ -154,9 +154,9 @@ class RolloutWorker:
         sampling = _sampling(self.config, greedy=True, max_new_tokens=self.config.eval.max_new_tokens)
         runner = EpisodeRunner(self.engine, self.tokenizer, RolloutConfig(sampling=sampling))
         start = time.monotonic()
-        records = await collect(
-            runner, self.config.env.id, episodes, seed=seed, env_kwargs=self.config.env.kwargs
-        )
+        kwargs = self.config.eval.env_kwargs
+        env_kwargs = self.config.env.kwargs if kwargs is None else kwargs
+        records = await collect(runner, self.config.env.id, episodes, seed=seed, env_kwargs=env_kwargs)
         return summarize(records, time.monotonic() - start)
 
     async def weight_version(self) -> int:
