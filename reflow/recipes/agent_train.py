@@ -65,7 +65,8 @@ def train(config: RunConfig, *, resume: bool = False, console: Console | None = 
 
             decoupled_loop(pool, config, log, state, clock)
         clock.tick()
-        if not state.step or (state.history + state.snapshots)[-1]["step"] != state.step:
+        points = state.history + state.snapshots
+        if not points or points[-1]["step"] != state.step:  # always end on an evaluation
             evaluate(pool, config, log, state, clock)
         checkpoint(pool, config, state)
         evaluate_snapshots(pool, config, log, state)

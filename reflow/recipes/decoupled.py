@@ -82,6 +82,11 @@ def decoupled_loop(pool: ResourcePool, config: RunConfig, log: RunLog, state: Ru
             train = _start_train(pool, config, state, share)
             if train is not None:
                 train["wait_s"] = time.monotonic() - waiting_since
+        if not rollouts and train is None:
+            # Nothing running and no batch to plan: only after a resume whose store is ahead of the
+            # restored checkpoint (groups consumed after it). Generate past the bound rather than stall.
+            rollouts[_launch(pool, 0, state)] = 0
+            workers.start(0)
         pending = [*rollouts, *([train["ref"]] if train else [])]
         ready, _ = ray.wait(pending, num_returns=1)
         for ref in ready:

@@ -147,6 +147,8 @@ def evaluate_snapshots(pool: ResourcePool, config: RunConfig, log: RunLog, state
     """Deferred evaluation: load each snapshot into engine 0, evaluate it, restore nothing (the run is
     over)."""
     for point in state.snapshots:
+        if "weights" not in point:  # taken before a resume: its weights are gone with that Ray session
+            continue
         ray.get(pool.rollout[0].update_weights.remote(point["weights"], point["version"]))
         _evaluate_point(pool, config, log, state, point)
     state.snapshots = [{k: v for k, v in p.items() if k != "weights"} for p in state.snapshots]
@@ -197,8 +199,8 @@ def step_record(
         "step_generated_tokens": generated,
         "generated_tokens_per_s": state.generated_tokens / wall,
         "trained_tokens_per_s": state.trained_tokens / wall,
-        "rollout_idle_ratio": 1 - state.rollout_busy_s / (wall * n_workers),
-        "trainer_idle_ratio": 1 - state.trainer_busy_s / wall,
+        "rollout_idle_ratio": idle_ratio(state.rollout_busy_s, wall * n_workers),
+        "trainer_idle_ratio": idle_ratio(state.trainer_busy_s, wall),
         "staleness_mean": sum(staleness) / max(1, len(staleness)),
         "staleness_max": max(staleness, default=0),
         "turns_p50": _quantile(turns, 0.5),
@@ -210,6 +212,12 @@ def step_record(
         **{f"status_{k}": v for k, v in statuses.items()},
         **{k: v for k, v in train_metrics.items() if k != "train_s"},
     }
+
+
+def idle_ratio(busy_s: float, wall_s: float) -> float:
+    """Idle share of wall-clock. Work that went on while an evaluation paused the clock can make busy
+    time exceed it by a little: clamped to [0, 1]."""
+    return min(1.0, max(0.0, 1 - busy_s / max(wall_s, 1e-9)))
 
 
 def out_of_time(config: RunConfig, state: RunState) -> bool:
@@ -239,9 +247,10 @@ def run_summary(
         "generated_tokens_per_s": state.generated_tokens / wall,
         "trained_tokens_per_s": state.trained_tokens / wall,
         "seconds_per_step": state.wall_s / max(state.step, 1),
-        "rollout_idle_ratio": 1
-        - state.rollout_busy_s / (wall * max(1, config.resources.slots.count("rollout"))),
-        "trainer_idle_ratio": 1 - state.trainer_busy_s / wall,
+        "rollout_idle_ratio": idle_ratio(
+            state.rollout_busy_s, wall * max(1, config.resources.slots.count("rollout"))
+        ),
+        "trainer_idle_ratio": idle_ratio(state.trainer_busy_s, wall),
         "staleness_hist": dict(sorted(state.staleness_hist.items(), key=lambda kv: int(kv[0]))),
         "reuse_hist": reuse_hist or {},
     }
