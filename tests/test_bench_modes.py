@@ -40,7 +40,7 @@ def test_table_reports_time_to_target_and_spread(tmp_path):
     assert default_target(results) == 0.225
     md = table(results, target=0.3, budget_minutes=1)
     rows = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if line.startswith("| ")}
-    assert "| 15 ± 7.1 | 2/2 |" in rows["sync"]  # the seeds reach 0.3 at t = 20 and t = 10
+    assert "| 15 ± 7.07 | 2/2 |" in rows["sync"]  # the seeds reach 0.3 at t = 20 and t = 10
     assert "| 10 ± 0 | 1/2 |" in rows["async"]
     assert "| 10 ± 0 | 2/2 |" in rows["reflow"]
     assert "1.4 ± 0" in rows["reflow"]  # mean uses per consumed group: (6*1 + 4*2) / 10

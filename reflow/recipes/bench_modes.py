@@ -60,7 +60,13 @@ def _mean_std(values: list[float]) -> str:
         return "-"
     mean = statistics.fmean(values)
     spread = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{mean:.4g} ± {spread:.2g}"
+    return f"{_number(mean)} ± {_number(spread)}"
+
+
+def _number(x: float) -> str:
+    if abs(x) >= 100:
+        return f"{x:.0f}"
+    return "0" if abs(x) < 5e-4 else f"{x:.3g}"
 
 
 def _step_mean(steps: list[dict[str, Any]], key: str) -> float | None:
