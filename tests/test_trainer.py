@@ -240,3 +240,25 @@ def test_fsdp2_two_ranks_match_one_rank(tmp_path):
     # Adam's first step is ~lr * sign(grad): gradients that are float noise may flip, no more than that
     for key, value in single.model.state_dict().items():
         assert torch.allclose(sharded["state"][key], value, atol=2.5e-2), key
+
+
+def test_one_step_raises_rewarded_tokens_and_lowers_penalised_ones():
+    """The direction of the update: sampled tokens of a positive-advantage row become more likely,
+    those of a negative-advantage row less likely."""
+    from reflow.train.logprobs import pad_segments, token_logprobs
+
+    rng = random.Random(3)
+    good, bad = _segment(rng, 4, 6), _segment(rng, 4, 6)
+    trainer = PolicyTrainer(_model(), 0, TrainerConfig(lr=1e-2, bf16=False))
+
+    def sampled_logp(seg):
+        ids, attn, mask, _, _ = pad_segments([seg], 0)
+        with torch.no_grad():
+            logp, _ = token_logprobs(trainer.model, ids, attn, entropy="none")
+        return float(logp[mask].sum())
+
+    before = sampled_logp(good), sampled_logp(bad)
+    trainer.train_step([TrainRow(good, 1.0), TrainRow(bad, -1.0)])
+    after = sampled_logp(good), sampled_logp(bad)
+    assert after[0] > before[0] + 0.1
+    assert after[1] < before[1] - 0.1
