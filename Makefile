@@ -28,7 +28,7 @@ venv: $(STAMP)
 
 # The main job: warm-start the tiny model on the calculator env, then RL (sync mode on a local Ray);
 # ~10 minutes on 2 CPU cores. Results, checkpoints, plots and the replay store land in runs/calc-tiny.
-# A second `make train` reuses the cached warm start; add `warmstart.cache=false` to redo it.
+# A second `make train` reuses the cached warm start; `make train ARGS=warmstart.cache=false` redoes it.
 TRAIN_CONFIG ?= configs/calc-tiny.yaml
 train: $(STAMP)
 	RAY_AUTH_MODE=disabled $(VENV)/bin/reflow agent-train --config $(TRAIN_CONFIG) --overwrite $(ARGS)
