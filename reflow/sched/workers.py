@@ -63,12 +63,13 @@ def _sampling(config: RunConfig, greedy: bool = False, max_new_tokens: int | Non
 
 def report_group(records: list[EpisodeRecord], seconds: float) -> GroupReport:
     rewards = [r.reward for r in records]
+    # tool results are `ToolResult` dicts (latency_s); a custom env may report other shapes
     latencies = [
-        float(res["latency_ms"])
+        1000.0 * res["latency_s"]
         for rec in records
         for turn in rec.turns
         for res in turn.tool_results
-        if isinstance(res, dict) and "latency_ms" in res
+        if isinstance(res, dict) and "latency_s" in res
     ]
     return GroupReport(
         group_id=records[0].group_id,
