@@ -97,8 +97,7 @@ class RolloutWorker:
         torch.set_num_threads(_threads(config))
         self.config, self.replay, self.index = config, replay, index
         self._load_plugins()
-        device = "cuda" if config.resources.device == "cuda" else "cpu"
-        model, self.tokenizer = load_model(model_path, device=device)
+        model, self.tokenizer = load_model(model_path, device=config.resources.device)
         self.engine = TorchEngine(model, self.tokenizer, max_batch_size=config.rollout.max_batch_size)
         r = config.rollout
         self.runner = EpisodeRunner(
@@ -195,8 +194,7 @@ class TrainerRank:
                 raise ValueError("several trainer ranks need the rank-0 address")
             backend = "nccl" if config.resources.device == "cuda" else "gloo"
             init_distributed(self.rank, self.world_size, master[0], master[1], backend)
-        device = "cuda" if config.resources.device == "cuda" else "cpu"
-        model, self.tokenizer = load_model(self.model_path, device=device)
+        model, self.tokenizer = load_model(self.model_path, device=config.resources.device)
         t = config.train
         self.trainer = PolicyTrainer(
             model,
