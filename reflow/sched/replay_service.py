@@ -14,19 +14,9 @@ from reflow.replay.cycle import CycleConfig, accepted_groups, consume, plan_batc
 
 
 def cycle_config(config: RunConfig) -> CycleConfig:
-    r = config.replay
-    return CycleConfig(
-        tau_max=r.tau_max,
-        max_reuse=r.max_reuse,
-        share_init=r.share_init,
-        share_min=r.share_min,
-        share_max=r.share_max,
-        share_step=r.share_step,
-        wait_high_s=r.wait_high_s,
-        masked_frac_max=r.masked_frac_max,
-        kl_max=r.kl_max,
-        prefer_spread=r.prefer_spread,
-    )
+    """The dual-cycle settings of `replay:` (every field but the async bound `eta`, which is the
+    driver's admission control)."""
+    return CycleConfig(**config.replay.model_dump(exclude={"eta"}))
 
 
 @dataclass
