@@ -52,7 +52,8 @@ from reflow.engine.base import EngineError, GenerateResult, SamplingParams
 from reflow.engine.kv_cache import SlotKVCache
 from reflow.engine.sampling import BatchParams, IncrementalDetokenizer
 from reflow.engine.torch_worker import DecodeLoop, Request
-from reflow.engine.weights import check_state_dict, load_state_dict
+from reflow.engine.weights import check_state_dict
+from reflow.models.weights import load_state_dict
 
 
 class TorchEngine(DecodeLoop):

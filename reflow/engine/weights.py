@@ -1,4 +1,5 @@
-"""Weight updates for in-process engines: read a checkpoint, check a state dict, copy it in place.
+"""Weight updates for in-process engines: check a state dict, copy it in place (checkpoints are read
+by `reflow.models.weights.load_state_dict`).
 
 Weights are copied into the existing parameters (never replaced) so that everything holding them (tied
 embeddings, the engine's model reference) sees the new values at once, and so that a trainer's tensors
@@ -7,7 +8,6 @@ on another device or in another dtype can be passed as they are.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,27 +18,6 @@ def _targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update(model.named_buffers(remove_duplicate=False))
     return named
-
-
-def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """Read a checkpoint: a `.safetensors` / `.pt` / `.bin` file, or a folder of them (an HF folder)."""
-    if path.is_dir():
-        files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin")) or sorted(path.glob("*.pt"))
-        if not files:
-            raise FileNotFoundError(f"no .safetensors, .bin or .pt weights in {path}")
-    elif path.exists():
-        files = [path]
-    else:
-        raise FileNotFoundError(path)
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        if file.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            state.update(load_file(str(file)))
-        else:
-            state.update(torch.load(file, map_location="cpu", weights_only=True))
-    return state
 
 
 def check_state_dict(model: torch.nn.Module, state_dict: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from reflow.models.weights import load_state_dict
 from reflow.train.trainer import PolicyTrainer
 
 STATE_FILE = "state.json"
@@ -80,13 +81,8 @@ def read_state(path: str | Path) -> dict[str, Any]:
 
 def load_checkpoint(path: str | Path, trainer: PolicyTrainer) -> dict[str, Any]:
     """Restore weights, optimizer, step/version and RNG; returns the `extra` dict saved with it."""
-    from safetensors.torch import load_file
-
     path = Path(path)
-    files = sorted(path.glob("*.safetensors"))
-    model_state: dict[str, Any] = {}
-    for f in files:
-        model_state.update(load_file(f))
+    model_state = load_state_dict(path)
     if getattr(trainer.model.config, "tie_word_embeddings", False) and "lm_head.weight" not in model_state:
         model_state["lm_head.weight"] = model_state["model.embed_tokens.weight"]
     optim_state = torch.load(path / "optimizer.pt", weights_only=False)
