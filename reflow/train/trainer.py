@@ -33,7 +33,7 @@ from reflow.records import Segment
 from reflow.train.logprobs import logprobs_from_logits, pad_segments, token_logprobs
 from reflow.train.losses import LossConfig, policy_loss
 from reflow.train.prefix import shared_prefix_len, suffix_logits
-from reflow.train.sft import _bf16_helps, pack_batches
+from reflow.train.sft import bf16_helps, pack_batches
 
 
 @dataclass
@@ -87,7 +87,7 @@ class PolicyTrainer:
             ],
             lr=self.cfg.lr,
         )
-        self.bf16 = _bf16_helps() if self.cfg.bf16 is None else self.cfg.bf16
+        self.bf16 = bf16_helps() if self.cfg.bf16 is None else self.cfg.bf16
         self.step = 0
         self.version = 0
         self.rng = random.Random(self.cfg.seed + self.rank)
