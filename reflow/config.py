@@ -96,9 +96,17 @@ class TrainSection(_Section):
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     micro_batch_tokens: int = Field(16384, gt=0, description="padded tokens per forward/backward")
+    minibatches: int = Field(
+        1,
+        ge=1,
+        description="optimizer steps per batch, each on a shuffled share of its rows (PPO mini-batches)",
+    )
+    epochs: int = Field(1, ge=1, description="passes over the batch's mini-batches (PPO epochs)")
     advantage_scale: Literal["std", "none"] = "std"
     bf16: bool | None = Field(
-        None, description="bf16 autocast (None: where the CPU has bf16 units or on GPU)"
+        None,
+        description="bf16 autocast of the RL trainer (None: on GPU only; on CPU the engine samples in "
+        "fp32 and bf16 log-probs would drift from the engine's)",
     )
     loss: LossSection = Field(default_factory=LossSection)
     checkpoint_every: int = Field(5, gt=0)

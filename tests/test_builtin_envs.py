@@ -78,6 +78,14 @@ def test_calc_episode_lengths_have_a_long_tail():
     assert min(turns) == 2 and max(turns) == 7  # n calculator calls + the answer
 
 
+def test_calc_step_range_selects_a_curriculum_and_rejects_bad_ranges():
+    env = reflow.make("reflow/Calc-v0", min_steps=2, max_steps=3)
+    steps = Counter(len(env.generate_task(random.Random(s))["steps"]) for s in range(500))
+    assert set(steps) == {2, 3} and steps[2] > steps[3]
+    with pytest.raises(ValueError, match="min_steps"):
+        reflow.make("reflow/Calc-v0", min_steps=4, max_steps=2)
+
+
 def test_guess_lengths_vary_with_the_range_and_slips_cost_turns():
     results = asyncio.run(_success("reflow/Guess-v0", 0.0, n=100))
     turns = [r.turns for r in results]

@@ -79,3 +79,27 @@ async def test_weight_update_mid_episode_is_recorded_per_turn_and_used_by_the_lo
     log_w = (now[0] - recorded)[v0 | v1]
     assert metrics["w_mean"] == pytest.approx(float(torch.exp(log_w).clamp(max=5.0).mean()), rel=1e-3)
     assert metrics["w_mean"] != pytest.approx(1.0, abs=1e-3)
+
+
+async def test_default_trainer_precision_matches_the_engine_on_cpu():
+    """On-policy rows scored by a trainer with default settings: every IS weight is 1 (no bf16 drift
+    between the fp32 engine and the trainer), so nothing but staleness moves w."""
+    from reflow.engine.torch_engine import TorchEngine
+    from reflow.models import load_model
+
+    model, tok = load_model("tiny", num_hidden_layers=2, hidden_size=64, intermediate_size=128)
+    engine = TorchEngine(copy.deepcopy(model), tok, max_batch_size=4)
+    runner = EpisodeRunner(
+        engine, tok, RolloutConfig(sampling=SamplingParams(max_new_tokens=16), max_context_tokens=2048)
+    )
+    try:
+        records = [await runner.run(EchoEnv(), seed=s) for s in range(3)]
+    finally:
+        await engine.close()
+    rows = [TrainRow(seg, 1.0) for rec in records for seg in rec.segments if seg.n_sampled]
+    trainer = PolicyTrainer(model, tok.pad_token_id, TrainerConfig(behaviour_is_prox=False))
+    assert trainer.bf16 is False  # CPU default
+    metrics = trainer.train_step(rows)
+    assert metrics["w_max"] == pytest.approx(1.0, abs=1e-3)
+    assert metrics["w_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics["kl_behav"] < 1e-6

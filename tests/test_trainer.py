@@ -51,6 +51,60 @@ def test_sync_mode_weight_is_one_and_nothing_is_masked():
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
+def test_minibatches_and_epochs_take_one_optimizer_step_each_against_the_pre_update_prox():
+    rows = _rows(8)
+    one = PolicyTrainer(_model(), pad_id=0, config=TrainerConfig(lr=5e-2, bf16=False))
+    single = one.train_step(rows)
+    assert single["updates"] == 1 and single["clip_frac"] == 0.0
+    many = PolicyTrainer(
+        _model(), pad_id=0, config=TrainerConfig(lr=5e-2, bf16=False, minibatches=2, epochs=3)
+    )
+    metrics = many.train_step(rows)
+    assert metrics["updates"] == 6
+    assert many.optimizer.state_dict()["state"][0]["step"] == 6
+    assert many.version == 1  # one batch, one policy version, however many updates
+    # sync mode: behaviour is the pre-update prox, so w stays exactly 1 over all six updates ...
+    assert metrics["w_mean"] == pytest.approx(1.0) and metrics["masked_frac"] == 0.0
+    # ... while the later updates move theta away from prox and the PPO clip starts to bite
+    assert metrics["clip_frac"] > 0.0
+    assert metrics["trained_tokens"] == single["trained_tokens"]
+    # more rows than mini-batches asked for: as many mini-batches as rows
+    few = PolicyTrainer(_model(), pad_id=0, config=TrainerConfig(lr=1e-3, bf16=False, minibatches=5))
+    assert few.train_step(rows[:2])["updates"] == 2
+
+
+def test_prox_of_later_minibatches_is_the_weights_before_the_first_update(monkeypatch):
+    import reflow.train.trainer as trainer_mod
+
+    rows = _rows(6)
+    model = _model()
+    with torch.no_grad():
+        reference = PolicyTrainer(_model(), pad_id=0, config=TrainerConfig(bf16=False))
+        reference.model.load_state_dict(model.state_dict())
+        expected = {id(r): reference._forward([r])["logp"][0] for r in rows}
+    seen = []
+    real_loss = trainer_mod.policy_loss
+
+    def spy(logp, prox, behav, adv, mask, cfg):
+        seen.append((prox.clone(), mask.clone()))
+        return real_loss(logp, prox, behav, adv, mask, cfg)
+
+    monkeypatch.setattr(trainer_mod, "policy_loss", spy)
+    trainer = PolicyTrainer(
+        model, pad_id=0, config=TrainerConfig(lr=5e-2, bf16=False, minibatches=3, micro_batch_tokens=1)
+    )
+    trainer.train_step(rows)
+    assert len(seen) == 6  # one row per micro-batch (a 1-token budget), 3 updates
+    for prox, mask in seen:
+        # every prox row is one of the pre-update log-prob rows, on the masked (sampled) positions
+        matches = [
+            torch.allclose(prox[0][mask[0].bool()], e[-prox.shape[1] :][mask[0].bool()], atol=1e-5)
+            for e in expected.values()
+            if e.shape[0] >= prox.shape[1]
+        ]
+        assert any(matches)
+
+
 def test_behaviour_logprobs_far_from_the_policy_are_masked_off_sync():
     # the engine's recorded log-probs (-1 per token) differ from the model's (~ -log 64): w = pi_prox /
     # pi_behav is far from 1 and, above the cap, masked

@@ -106,9 +106,13 @@ class CalcEnv(ToolEnv):
     # 25% held-out success on the full 1-6-step set after 4 minutes, against 2% on 1-6-step demos).
     demo_kwargs: ClassVar[dict[str, Any]] = {"max_steps": 2}
 
-    def __init__(self, tasks: list[Task] | str | None = None, max_steps: int = 6) -> None:
+    def __init__(self, tasks: list[Task] | str | None = None, max_steps: int = 6, min_steps: int = 1) -> None:
         super().__init__(tasks)
-        self.max_steps = max_steps
+        if not 1 <= min_steps <= max_steps:
+            raise ValueError(
+                f"need 1 <= min_steps <= max_steps, got min_steps={min_steps}, max_steps={max_steps}"
+            )
+        self.min_steps, self.max_steps = min_steps, max_steps
         self.tools = [Tool.from_function(self.calculator)]
 
     def calculator(self, expression: str) -> str:
@@ -120,7 +124,7 @@ class CalcEnv(ToolEnv):
         return format_number(safe_eval(expression))
 
     def generate_task(self, rng: random.Random) -> Task:
-        weights = {k: w for k, w in STEP_WEIGHTS.items() if k <= self.max_steps}
+        weights = {k: w for k, w in STEP_WEIGHTS.items() if self.min_steps <= k <= self.max_steps}
         n_steps = rng.choices(list(weights), weights=list(weights.values()))[0]
         name, item = rng.choice(NAMES), rng.choice(ITEMS)
         value = rng.randint(2, 60)

@@ -204,6 +204,8 @@ class TrainerRank:
                 weight_decay=t.weight_decay,
                 grad_clip=t.grad_clip,
                 micro_batch_tokens=t.micro_batch_tokens,
+                minibatches=t.minibatches,
+                epochs=t.epochs,
                 loss=LossConfig(**t.loss.model_dump()),
                 behaviour_is_prox=config.mode == "sync",
                 temperature=config.rollout.temperature or 1.0,

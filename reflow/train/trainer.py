@@ -4,10 +4,10 @@
     metrics = trainer.train_step(rows_from_groups(groups), step=7)
 
 A step packs the rows into micro-batches by padded-token budget, accumulates gradients of the policy
-loss (decoupled PPO or truncated IS, `reflow.train.losses`), clips the gradient norm and takes one AdamW
-step. The proximal policy is the weights before this update; with one optimizer step per batch its
-log-probs are exactly the detached log-probs of the same forward pass, so no extra forward is spent on
-them. In sync mode the behaviour policy *is* the proximal one (`behaviour_is_prox`): the IS weight is
+loss (decoupled PPO or truncated IS, `reflow.train.losses`), clips the gradient norm and takes an AdamW
+step, once per mini-batch and epoch (`minibatches`, `epochs`; one update by default). The proximal
+policy is the weights before the first update; with one update per batch its log-probs are exactly the
+detached log-probs of the same forward pass, so no extra forward is spent on them. In sync mode the behaviour policy *is* the proximal one (`behaviour_is_prox`): the IS weight is
 exactly 1 and nothing is masked. Otherwise the behaviour log-probs are the ones the engine recorded at
 sampling time.
 
@@ -33,7 +33,7 @@ from reflow.records import Segment
 from reflow.train.logprobs import logprobs_from_logits, pad_segments, token_logprobs
 from reflow.train.losses import LossConfig, policy_loss
 from reflow.train.prefix import shared_prefix_len, suffix_logits
-from reflow.train.sft import bf16_helps, pack_batches
+from reflow.train.sft import pack_batches
 
 
 @dataclass
@@ -59,7 +59,14 @@ class TrainerConfig:
     temperature: float = 1.0
     """The sampling temperature: log-probs are taken under the same tempered distribution."""
     bf16: bool | None = None
+    """bf16 autocast; None: on GPU only (see PolicyTrainer.__init__)."""
     seed: int = 0
+    minibatches: int = 1
+    """Optimizer steps per batch: the rows are split into this many shuffled mini-batches (verl's
+    ppo_mini_batch_size). With more than one, prox is the weights before the first step, recomputed by a
+    no-grad forward pass, and the PPO clip keeps the later steps near it."""
+    epochs: int = 1
+    """Passes over the batch's mini-batches (PPO epochs)."""
 
 
 def _sum_stat(stats: dict[str, Any], key: str) -> float:
@@ -87,7 +94,11 @@ class PolicyTrainer:
             ],
             lr=self.cfg.lr,
         )
-        self.bf16 = bf16_helps() if self.cfg.bf16 is None else self.cfg.bf16
+        # The loss weighs each token by pi_prox / pi_behav, the behaviour log-prob coming from the engine.
+        # On CPU the engine samples in fp32, and bf16 autocast here put the trainer's log-probs up to 0.19
+        # nats (p99 0.04) off the engine's on the tiny model: noise in every weight, for no speed-up
+        # (measured). So bf16 by default only on GPU, where the engines run in bf16 too.
+        self.bf16 = model_device(model).type == "cuda" if self.cfg.bf16 is None else self.cfg.bf16
         self.step = 0
         self.version = 0
         self.rng = random.Random(self.cfg.seed + self.rank)
@@ -122,49 +133,81 @@ class PolicyTrainer:
         return {"logp": logp, "entropy": entropy, "mask": mask, "behav": behav, "adv": adv}
 
     def train_step(self, rows: Sequence[TrainRow], step: int | None = None) -> dict[str, float]:
-        """One optimizer step on `rows` (this rank's share). Returns loss and IS-health metrics."""
+        """`minibatches` x `epochs` optimizer steps on `rows` (this rank's share; one by default).
+        Returns loss and IS-health metrics, token-weighted over all the updates."""
         start = time.monotonic()
         rows = [r for r in rows if r.segment.n_sampled > 0]
-        local_tokens = sum(r.segment.n_sampled for r in rows)
-        global_tokens = self._all_reduce(float(local_tokens))
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        plan = [self._micro_batches(mb) for mb in self._split_minibatches(rows)]
+        updates = len(plan) * self.cfg.epochs
+        # Later updates need the log-probs of the weights before the first one (prox); a single update
+        # takes them from its own forward pass for free.
+        prox = self._prox_logprobs(plan) if updates > 1 else None
         keys = ("loss", "entropy", "clip_frac", "w_mean", "masked_frac", "kl_behav")
         totals: dict[str, float] = dict.fromkeys(keys, 0.0)
-        w_max = 0.0
-        for batch in self._micro_batches(rows):
-            t = self._forward(batch)
-            logp, entropy = t["logp"], t["entropy"]
-            prox = logp.detach()
-            behav = prox if self.cfg.behaviour_is_prox else t["behav"]
-            loss, stats = policy_loss(logp, prox, behav, t["adv"], t["mask"], self.cfg.loss)
-            n = float(t["mask"].sum())
-            # policy_loss averages over this micro-batch's tokens; re-weight to a mean over the
-            # whole step (all ranks), and undo FSDP's averaging of gradients across ranks.
-            (loss * n * self.world_size / max(global_tokens, 1.0)).backward()
-            for key in ("clip_frac", "w_mean", "masked_frac", "kl_behav"):
-                totals[key] += _sum_stat(stats, key) * n
-            totals["loss"] += float(loss.detach()) * n
-            totals["entropy"] += float((entropy * t["mask"]).sum())
-            w_max = max(w_max, _sum_stat(stats, "w_max"))
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
+        w_max, grad_norms, all_tokens = 0.0, [], 0.0
+        self.model.train()
+        for _ in range(self.cfg.epochs):
+            for k, micro_batches in enumerate(plan):
+                local = sum(r.segment.n_sampled for batch in micro_batches for r in batch)
+                global_tokens = self._all_reduce(float(local))
+                all_tokens += global_tokens
+                self.optimizer.zero_grad(set_to_none=True)
+                for j, batch in enumerate(micro_batches):
+                    t = self._forward(batch)
+                    logp, entropy = t["logp"], t["entropy"]
+                    prox_logp = logp.detach() if prox is None else prox[k][j]
+                    behav = prox_logp if self.cfg.behaviour_is_prox else t["behav"]
+                    loss, stats = policy_loss(logp, prox_logp, behav, t["adv"], t["mask"], self.cfg.loss)
+                    n = float(t["mask"].sum())
+                    # policy_loss averages over this micro-batch's tokens; re-weight to a mean over the
+                    # whole mini-batch (all ranks), and undo FSDP's averaging of gradients across ranks.
+                    (loss * n * self.world_size / max(global_tokens, 1.0)).backward()
+                    for key in ("clip_frac", "w_mean", "masked_frac", "kl_behav"):
+                        totals[key] += _sum_stat(stats, key) * n
+                    totals["loss"] += float(loss.detach()) * n
+                    totals["entropy"] += float((entropy * t["mask"]).sum())
+                    w_max = max(w_max, _sum_stat(stats, "w_max"))
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+                grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+                if math.isfinite(grad_norm):
+                    self.optimizer.step()
+                grad_norms.append(grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
         self.step = step if step is not None else self.step + 1
         self.version += 1
-        metrics = {k: self._all_reduce(v) / max(global_tokens, 1.0) for k, v in totals.items()}
+        metrics = {k: self._all_reduce(v) / max(all_tokens, 1.0) for k, v in totals.items()}
+        finite = [g for g in grad_norms if math.isfinite(g)]
         metrics.update(
-            grad_norm=grad_norm,
-            grad_skipped=float(not math.isfinite(grad_norm)),
+            grad_norm=sum(finite) / len(finite) if finite else float("nan"),
+            grad_skipped=float(len(grad_norms) - len(finite)),
+            updates=float(len(grad_norms)),
             w_max=self._all_reduce(w_max, op="max"),
-            trained_tokens=global_tokens,
+            trained_tokens=self._all_reduce(float(sum(r.segment.n_sampled for r in rows))),
             rows=self._all_reduce(float(len(rows))),
             train_s=time.monotonic() - start,
         )
         return metrics
+
+    def _split_minibatches(self, rows: list[TrainRow]) -> list[list[TrainRow]]:
+        """`cfg.minibatches` shuffled, near-equal shares of the rows (fewer when there are fewer rows;
+        under FSDP every rank agrees on the count, since each update is a collective)."""
+        n = min(self.cfg.minibatches, len(rows))
+        if self.world_size > 1:
+            t = torch.tensor([n], dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            n = int(t.item())
+        if n <= 1:
+            return [rows]
+        order = list(rows)
+        self.rng.shuffle(order)
+        return [order[i::n] for i in range(n)]
+
+    @torch.no_grad()
+    def _prox_logprobs(self, plan: list[list[list[TrainRow]]]) -> list[list[torch.Tensor]]:
+        """Log-probs of the current weights for every micro-batch of the plan, before any update."""
+        self.model.eval()
+        return [[self._forward(batch)["logp"].detach() for batch in micro] for micro in plan]
 
     def _all_reduce(self, value: float, op: str = "sum") -> float:
         if self.world_size == 1:
@@ -204,6 +247,10 @@ class PolicyTrainer:
         else:
             self.model.load_state_dict(model_state)
             self.optimizer.load_state_dict(optim_state)
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 def shard_model(model: torch.nn.Module) -> None:
