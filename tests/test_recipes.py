@@ -149,3 +149,16 @@ async def test_demo_rows_follow_the_demo_env_kwargs(small_model):
         for row in short
     ]
     assert sampled_turn_ends == [2] * 12  # one calculator call, then the answer
+
+
+def test_warmstart_cache_key_follows_the_env_curriculum(monkeypatch):
+    from reflow.config import RunConfig
+    from reflow.recipes.warm_phase import warmstart_key
+    from reflow_envs.calc.env import CalcEnv
+
+    default = RunConfig(env={"id": "reflow/Calc-v0"})
+    explicit = RunConfig(env={"id": "reflow/Calc-v0"}, warmstart={"demo_env_kwargs": {"max_steps": 2}})
+    before = warmstart_key(default), warmstart_key(explicit)
+    monkeypatch.setattr(CalcEnv, "demo_kwargs", {"max_steps": 3})
+    assert warmstart_key(default) != before[0]  # the env's own curriculum changed: a new warm start
+    assert warmstart_key(explicit) == before[1]  # the config's curriculum wins over the env's

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from reflow.config import RunConfig
 from reflow.models.presets import cache_dir, resolve_model_path
-from reflow.recipes.warmstart import warmstart
+from reflow.recipes.warmstart import env_demo_kwargs, warmstart
 
 if TYPE_CHECKING:
     from reflow.recipes.agent_train import RunState
@@ -31,6 +31,8 @@ def warmstart_key(config: RunConfig) -> str:
         "model": config.model,
         "overrides": config.model_overrides,
         "warmstart": config.warmstart.model_dump(exclude={"cache"}),
+        # with no curriculum in the config, the env's own one shapes the demos: key on it too
+        "demo_env_kwargs": config.warmstart.demo_env_kwargs or env_demo_kwargs(config.env.id),
         "seed": config.warmstart.seed,
         "builder": BUILDER_VERSION,
     }

@@ -65,6 +65,15 @@ async def demo_texts(
     return texts
 
 
+def env_demo_kwargs(env_id: str) -> dict[str, Any]:
+    """The env's own warm-start curriculum (`Env.demo_kwargs`; {} when it declares none)."""
+    probe = make(env_id)
+    try:
+        return dict(probe.unwrapped.demo_kwargs)
+    finally:
+        asyncio.run(probe.close())
+
+
 def warmstart(
     env_id: str,
     model_name: str,
@@ -92,10 +101,8 @@ def warmstart(
 
     start = time.monotonic()
     torch.manual_seed(seed)
-    if demo_env_kwargs is None:  # the env's own warm-start curriculum, if it declares one
-        probe = make(env_id)
-        demo_env_kwargs = dict(probe.unwrapped.demo_kwargs)
-        asyncio.run(probe.close())
+    if demo_env_kwargs is None:
+        demo_env_kwargs = env_demo_kwargs(env_id)
     preset_kwargs: dict[str, Any] = dict(model_config or {})
     if model_name == "tiny":  # a fresh tiny model: fit its tokenizer to this env's text too
         preset_kwargs["corpus"] = [
