@@ -86,6 +86,31 @@ def test_calc_step_range_selects_a_curriculum_and_rejects_bad_ranges():
         reflow.make("reflow/Calc-v0", min_steps=4, max_steps=2)
 
 
+async def test_calc_partial_credit_scores_the_steps_done_right_in_order():
+    from reflow.env import format_hermes_call, parse_assistant
+
+    task = {"id": "t", "question": "q", "answer": 14, "start": 5, "steps": [["+", 2], ["*", 2]]}
+
+    async def play(expressions, answer, **kwargs):
+        env = reflow.make("reflow/Calc-v0", **kwargs)
+        await env.reset(task=task)
+        for e in expressions:
+            await env.step(parse_assistant(format_hermes_call("calculator", {"expression": e})))
+        return await env.step(parse_assistant(f"\\boxed{{{answer}}}"))
+
+    right = await play(["5 + 2", "7 * 2"], 14, partial_credit=0.5)
+    assert (right.reward, right.info["success"]) == (1.0, True)
+    half = await play(["5 + 2", "7 * 3"], 21, partial_credit=0.5)  # first step right, second wrong
+    assert (half.reward, half.info["success"]) == (0.25, False)
+    assert half.info["reward_components"]["steps_right"] == 0.5
+    late = await play(["5 * 2", "7 * 2"], 14.5, partial_credit=0.5)  # a right value after a wrong one
+    assert late.reward == 0.0
+    default = await play(["5 + 2", "7 * 3"], 21)  # off by default: reward 1 or 0
+    assert default.reward == 0.0
+    with pytest.raises(ValueError, match="partial_credit"):
+        reflow.make("reflow/Calc-v0", partial_credit=1.5)
+
+
 def test_guess_lengths_vary_with_the_range_and_slips_cost_turns():
     results = asyncio.run(_success("reflow/Guess-v0", 0.0, n=100))
     turns = [r.turns for r in results]

@@ -2,7 +2,10 @@
 
 The agent is asked to do every step with the `calculator` tool and to end with `\\boxed{answer}`. The
 number of steps follows a long-tailed distribution, so episode lengths vary as in real agent workloads.
-Reward: 1 for the right final answer, else 0.
+Reward: 1 for the right final answer, else 0; with `partial_credit` > 0 a wrong answer earns
+partial_credit x the share of the problem's steps done right with the calculator, in order (process
+credit: it tells a policy that gets the first step right from one that does not). Success is always
+the right final answer.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from reflow.env import (
     Task,
     Tool,
     ToolEnv,
+    ToolResult,
     ToolError,
     format_hermes_call,
 )
@@ -106,13 +110,22 @@ class CalcEnv(ToolEnv):
     # 25% held-out success on the full 1-6-step set after 4 minutes, against 2% on 1-6-step demos).
     demo_kwargs: ClassVar[dict[str, Any]] = {"max_steps": 2}
 
-    def __init__(self, tasks: list[Task] | str | None = None, max_steps: int = 6, min_steps: int = 1) -> None:
+    def __init__(
+        self,
+        tasks: list[Task] | str | None = None,
+        max_steps: int = 6,
+        min_steps: int = 1,
+        partial_credit: float = 0.0,
+    ) -> None:
         super().__init__(tasks)
         if not 1 <= min_steps <= max_steps:
             raise ValueError(
                 f"need 1 <= min_steps <= max_steps, got min_steps={min_steps}, max_steps={max_steps}"
             )
-        self.min_steps, self.max_steps = min_steps, max_steps
+        if not 0.0 <= partial_credit < 1.0:
+            raise ValueError(f"partial_credit must be in [0, 1), got {partial_credit}")
+        self.min_steps, self.max_steps, self.partial_credit = min_steps, max_steps, partial_credit
+        self.results: list[float] = []
         self.tools = [Tool.from_function(self.calculator)]
 
     def calculator(self, expression: str) -> str:
@@ -154,17 +167,41 @@ class CalcEnv(ToolEnv):
         return {"id": task_id, "question": question, "answer": value, "start": start, "steps": steps}
 
     async def _reset(self, task: Task) -> Observation:
+        self.results = []
         messages = [
             {"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": task["question"]},
         ]
         return Observation(messages, info={"n_steps": len(task.get("steps", []))})
 
+    async def after_tools(
+        self, turn: AssistantTurn, results: list[ToolResult], step: StepResult
+    ) -> StepResult:
+        self.results += [v for r in results if r.ok and (v := parse_number(r.content)) is not None]
+        return step
+
+    def steps_right(self) -> float:
+        """Share of the task's steps whose values the calculator produced, in order, from the start."""
+        steps = self.task.get("steps") or []
+        value, right = float(self.task.get("start", 0)), 0
+        for (op, b), got in zip(steps, self.results):
+            value = _apply(op, value, b)
+            if not numbers_equal(got, value):
+                break
+            right += 1
+        return right / len(steps) if steps else 0.0
+
     async def answer(self, turn: AssistantTurn) -> StepResult:
         given = parse_number(extract_boxed(turn.content))
         correct = numbers_equal(given, float(self.task["answer"]))
         termination = "answered" if given is not None else "no_answer"
-        return StepResult.final(correct, termination=termination, components={"correct": float(correct)})
+        progress = self.steps_right()
+        result = StepResult.final(
+            correct, termination=termination, components={"correct": float(correct), "steps_right": progress}
+        )
+        if not correct:
+            result.reward = self.partial_credit * progress
+        return result
 
     def demo(self, task: Task, messages: list[Message], rng: random.Random, error_rate: float = 0.0) -> str:
         """Do the steps one calculator call at a time; with probability `error_rate` per turn, slip."""
