@@ -152,9 +152,10 @@ async def test_demo_rows_follow_the_demo_env_kwargs(small_model):
 
 
 def test_warmstart_cache_key_follows_the_env_curriculum(monkeypatch):
+    from reflow_envs.calc.env import CalcEnv
+
     from reflow.config import RunConfig
     from reflow.recipes.warm_phase import warmstart_key
-    from reflow_envs.calc.env import CalcEnv
 
     default = RunConfig(env={"id": "reflow/Calc-v0"})
     explicit = RunConfig(env={"id": "reflow/Calc-v0"}, warmstart={"demo_env_kwargs": {"max_steps": 2}})

@@ -24,8 +24,8 @@ from reflow.env import (
     Task,
     Tool,
     ToolEnv,
-    ToolResult,
     ToolError,
+    ToolResult,
     format_hermes_call,
 )
 from reflow.env.answers import extract_boxed, format_number, numbers_equal, parse_number
@@ -184,7 +184,7 @@ class CalcEnv(ToolEnv):
         """Share of the task's steps whose values the calculator produced, in order, from the start."""
         steps = self.task.get("steps") or []
         value, right = float(self.task.get("start", 0)), 0
-        for (op, b), got in zip(steps, self.results):
+        for (op, b), got in zip(steps, self.results, strict=False):  # fewer calls than steps
             value = _apply(op, value, b)
             if not numbers_equal(got, value):
                 break
