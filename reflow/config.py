@@ -102,6 +102,11 @@ class TrainSection(_Section):
         description="optimizer steps per batch, each on a shuffled share of its rows (PPO mini-batches)",
     )
     epochs: int = Field(1, ge=1, description="passes over the batch's mini-batches (PPO epochs)")
+    prox_logp: Literal["recompute", "loglinear"] = Field(
+        "recompute",
+        description="prox log-probs of the updates after the first: recomputed by a no-grad forward, or "
+        "interpolated between behaviour and current log-probs by each token's staleness (no forward)",
+    )
     advantage_scale: Literal["std", "none"] = "std"
     bf16: bool | None = Field(
         None,

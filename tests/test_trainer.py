@@ -105,6 +105,46 @@ def test_prox_of_later_minibatches_is_the_weights_before_the_first_update(monkey
         assert any(matches)
 
 
+def test_loglinear_prox_interpolates_by_staleness_without_an_extra_forward(monkeypatch):
+    import reflow.train.trainer as trainer_mod
+    from reflow.train.trainer import loglinear_prox
+
+    behav, theta = torch.tensor([[-1.0, -1.0, -1.0]]), torch.tensor([[-3.0, -3.0, -3.0]])
+    got = loglinear_prox(behav, theta, torch.tensor([[5, 4, 2]]), prox_version=5)
+    assert torch.allclose(got, torch.tensor([[-1.0, -2.0, -2.5]]))  # alpha 0, 1/2, 3/4
+
+    rows = _rows(6)
+    for r in rows:  # sampled two versions before the trainer's current weights
+        r.segment.versions = [0] * len(r.segment.versions)
+    seen = []
+    real_loss = trainer_mod.policy_loss
+
+    def spy(logp, prox, behav, adv, mask, cfg):
+        seen.append((logp.detach().clone(), prox.clone(), behav.clone(), mask.bool()))
+        return real_loss(logp, prox, behav, adv, mask, cfg)
+
+    monkeypatch.setattr(trainer_mod, "policy_loss", spy)
+    trainer = PolicyTrainer(
+        _model(),
+        pad_id=0,
+        config=TrainerConfig(
+            lr=5e-2, bf16=False, behaviour_is_prox=False, minibatches=3, prox_logp="loglinear"
+        ),
+    )
+    trainer.version = 2
+    monkeypatch.setattr(trainer, "_prox_logprobs", lambda plan: pytest.fail("no prox forward with loglinear"))
+    metrics = trainer.train_step(rows)
+    assert metrics["updates"] == 3
+    first, later = seen[0], seen[1:]
+    assert torch.equal(first[1], first[0])  # first update: theta is prox, exactly
+    for logp, prox, behav, mask in later:  # later ones: alpha = 2 / 3 on every sampled token
+        assert torch.allclose(prox[mask], (behav + 2 / 3 * (logp - behav))[mask], atol=1e-6)
+    with pytest.raises(ValueError, match="prox_logp"):
+        PolicyTrainer(_model(), pad_id=0, config=TrainerConfig(minibatches=2, prox_logp="nope")).train_step(
+            rows
+        )
+
+
 def test_behaviour_logprobs_far_from_the_policy_are_masked_off_sync():
     # the engine's recorded log-probs (-1 per token) differ from the model's (~ -log 64): w = pi_prox /
     # pi_behav is far from 1 and, above the cap, masked

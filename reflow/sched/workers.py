@@ -206,6 +206,7 @@ class TrainerRank:
                 micro_batch_tokens=t.micro_batch_tokens,
                 minibatches=t.minibatches,
                 epochs=t.epochs,
+                prox_logp=t.prox_logp,
                 loss=LossConfig(**t.loss.model_dump()),
                 behaviour_is_prox=config.mode == "sync",
                 temperature=config.rollout.temperature or 1.0,

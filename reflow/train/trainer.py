@@ -67,6 +67,11 @@ class TrainerConfig:
     no-grad forward pass, and the PPO clip keeps the later steps near it."""
     epochs: int = 1
     """Passes over the batch's mini-batches (PPO epochs)."""
+    prox_logp: str = "recompute"
+    """How later updates get prox log-probs: "recompute" (a no-grad forward before the first update) or
+    "loglinear" (no extra forward: per token, log pi_prox ~ log pi_behav + alpha (log pi_theta -
+    log pi_behav) with alpha = (v_prox - v_behav) / (v_prox + 1 - v_behav), AReaL's approximation).
+    The first update always uses the exact, free detached log-probs of its own forward pass."""
 
 
 def _sum_stat(stats: dict[str, Any], key: str) -> float:
@@ -114,7 +119,7 @@ class PolicyTrainer:
         """Per-token log-probs, entropy, loss mask, behaviour log-probs and advantages, from the first
         position not shared by the whole batch on (a shared prompt prefix runs once and has no loss)."""
         segments = [r.segment for r in batch]
-        ids, attn, mask, behav, _ = pad_segments(segments, self.pad_id)
+        ids, attn, mask, behav, versions = pad_segments(segments, self.pad_id)
         # One rank only: under FSDP2 a second forward call before backward is not worth the risk.
         shared = shared_prefix_len(segments) if self.world_size == 1 else 0
         with torch.autocast(self.model.device.type, dtype=torch.bfloat16, enabled=self.bf16):
@@ -128,9 +133,16 @@ class PolicyTrainer:
                 logp, entropy = token_logprobs(
                     self.model, ids, attn, temperature=self.cfg.temperature, entropy="detached"
                 )
-        mask, behav = mask[:, shared:].float(), behav[:, shared:]
+        mask, behav, versions = mask[:, shared:].float(), behav[:, shared:], versions[:, shared:]
         adv = torch.tensor([r.advantage for r in batch], dtype=torch.float32)[:, None].expand_as(behav)
-        return {"logp": logp, "entropy": entropy, "mask": mask, "behav": behav, "adv": adv}
+        return {
+            "logp": logp,
+            "entropy": entropy,
+            "mask": mask,
+            "behav": behav,
+            "adv": adv,
+            "versions": versions,
+        }
 
     def train_step(self, rows: Sequence[TrainRow], step: int | None = None) -> dict[str, float]:
         """`minibatches` x `epochs` optimizer steps on `rows` (this rank's share; one by default).
@@ -141,7 +153,11 @@ class PolicyTrainer:
         updates = len(plan) * self.cfg.epochs
         # Later updates need the log-probs of the weights before the first one (prox); a single update
         # takes them from its own forward pass for free.
-        prox = self._prox_logprobs(plan) if updates > 1 else None
+        if self.cfg.prox_logp not in ("recompute", "loglinear"):
+            raise ValueError(f"prox_logp must be 'recompute' or 'loglinear', got {self.cfg.prox_logp!r}")
+        recompute = updates > 1 and self.cfg.prox_logp == "recompute"
+        prox = self._prox_logprobs(plan) if recompute else None
+        first = True  # no optimizer step yet: theta is still prox
         keys = ("loss", "entropy", "clip_frac", "w_mean", "masked_frac", "kl_behav")
         totals: dict[str, float] = dict.fromkeys(keys, 0.0)
         w_max, grad_norms, all_tokens = 0.0, [], 0.0
@@ -155,7 +171,12 @@ class PolicyTrainer:
                 for j, batch in enumerate(micro_batches):
                     t = self._forward(batch)
                     logp, entropy = t["logp"], t["entropy"]
-                    prox_logp = logp.detach() if prox is None else prox[k][j]
+                    if prox is not None:
+                        prox_logp = prox[k][j]
+                    elif first:
+                        prox_logp = logp.detach()
+                    else:
+                        prox_logp = loglinear_prox(t["behav"], logp.detach(), t["versions"], self.version)
                     behav = prox_logp if self.cfg.behaviour_is_prox else t["behav"]
                     loss, stats = policy_loss(logp, prox_logp, behav, t["adv"], t["mask"], self.cfg.loss)
                     n = float(t["mask"].sum())
@@ -171,6 +192,7 @@ class PolicyTrainer:
                 grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
                 if math.isfinite(grad_norm):
                     self.optimizer.step()
+                    first = False
                 grad_norms.append(grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
@@ -247,6 +269,17 @@ class PolicyTrainer:
         else:
             self.model.load_state_dict(model_state)
             self.optimizer.load_state_dict(optim_state)
+
+
+def loglinear_prox(
+    behav_logp: torch.Tensor, theta_logp: torch.Tensor, versions: torch.Tensor, prox_version: int
+) -> torch.Tensor:
+    """Approximate prox log-probs between the behaviour and current ones, by each token's staleness:
+    alpha = (v_prox - v_behav) / (v_prox + 1 - v_behav), 0 for a token sampled by the prox weights
+    themselves, towards 1 the staler it is. Off the sampled tokens (versions -1) the value is unused."""
+    lag = (prox_version - versions).clamp(min=0).to(theta_logp.dtype)
+    alpha = lag / (lag + 1.0)
+    return behav_logp + alpha * (theta_logp - behav_logp)
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
