@@ -151,6 +151,27 @@ async def test_demo_rows_follow_the_demo_env_kwargs(small_model):
     assert sampled_turn_ends == [2] * 12  # one calculator call, then the answer
 
 
+async def test_demonstrations_never_share_task_seeds_with_rl_or_held_out_tasks(small_model, monkeypatch):
+    from transformers import AutoTokenizer
+
+    import reflow.recipes.warmstart as warmstart_mod
+    from reflow.rollout.collect import DEMO_SEED_BASE, EVAL_SEED_BASE
+
+    seeds = []
+    real = warmstart_mod.scripted_policy
+
+    def spy(env, error_rate, seed):
+        seeds.append(seed)
+        return real(env, error_rate, seed)
+
+    monkeypatch.setattr(warmstart_mod, "scripted_policy", spy)
+    tok = AutoTokenizer.from_pretrained(small_model)
+    await warmstart_mod.demo_rows("reflow/Calc-v0", tok, 5, 0.0, seed=3)
+    assert seeds == [DEMO_SEED_BASE + 3 + i for i in range(5)]
+    # training seeds stop below EVAL_SEED_BASE (next_seeds raises there); held-out ones start at it
+    assert EVAL_SEED_BASE + 100_000 <= DEMO_SEED_BASE
+
+
 def test_warmstart_cache_key_follows_the_env_curriculum(monkeypatch):
     from reflow_envs.calc.env import CalcEnv
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from reflow.config import RunConfig
 from reflow.models.presets import cache_dir, resolve_model_path
+from reflow.rollout.collect import DEMO_SEED_BASE
 from reflow.recipes.warmstart import env_demo_kwargs, warmstart
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ def warmstart_key(config: RunConfig) -> str:
         "demo_env_kwargs": config.warmstart.demo_env_kwargs or env_demo_kwargs(config.env.id),
         "seed": config.warmstart.seed,
         "builder": BUILDER_VERSION,
+        "demo_seeds": DEMO_SEED_BASE,
     }
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:12]
 

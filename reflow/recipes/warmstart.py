@@ -19,7 +19,7 @@ from typing import Any
 
 from reflow.env import make, play_episode, scripted_policy
 from reflow.records import Segment
-from reflow.rollout.collect import evaluate
+from reflow.rollout.collect import DEMO_SEED_BASE, evaluate
 from reflow.rollout.episode import EpisodeRunner
 
 
@@ -31,12 +31,14 @@ async def demo_rows(
     seed: int = 0,
     env_kwargs: dict | None = None,
 ) -> list[Segment]:
-    """Token rows of `episodes` scripted episodes (one row per segment; mask 1 on the demo's turns)."""
+    """Token rows of `episodes` scripted episodes (one row per segment; mask 1 on the demo's turns),
+    on the task seeds DEMO_SEED_BASE + seed + i, apart from the RL and held-out ones."""
     runner = EpisodeRunner(None, tokenizer)
     rows: list[Segment] = []
     for i in range(episodes):
         env = make(env_id, **(env_kwargs or {}))
-        rec = await runner.run(env, seed=seed + i, demo_policy=scripted_policy(env, error_rate, seed + i))
+        s = DEMO_SEED_BASE + seed + i
+        rec = await runner.run(env, seed=s, demo_policy=scripted_policy(env, error_rate, s))
         await env.close()
         rows += rec.segments
     return rows
@@ -54,7 +56,8 @@ async def demo_texts(
     texts = []
     for i in range(episodes):
         env = make(env_id, **(env_kwargs or {}))
-        result = await play_episode(env, scripted_policy(env, error_rate, seed + i), seed=seed + i)
+        s = DEMO_SEED_BASE + seed + i
+        result = await play_episode(env, scripted_policy(env, error_rate, s), seed=s)
         raw = iter(r.raw_text for r in result.records)
         messages = [
             {"role": "assistant", "content": next(raw)} if m["role"] == "assistant" else m

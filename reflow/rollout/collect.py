@@ -15,6 +15,9 @@ from reflow.rollout.episode import EpisodeRunner, RolloutConfig, run_group
 
 EVAL_SEED_BASE = 1_000_000
 """Held-out tasks use seeds from here on; training draws its seeds below it."""
+DEMO_SEED_BASE = 2_000_000
+"""Warm-start demonstrations use seeds from here on, so the RL phase never trains on (or re-rewards) a
+problem the warm start memorised: a generated task is a function of its seed."""
 
 
 async def collect(
