@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from reflow.config import RunConfig
 from reflow.models.presets import cache_dir, resolve_model_path
-from reflow.rollout.collect import DEMO_SEED_BASE
 from reflow.recipes.warmstart import env_demo_kwargs, warmstart
+from reflow.rollout.collect import DEMO_SEED_BASE
 
 if TYPE_CHECKING:
     from reflow.recipes.agent_train import RunState
