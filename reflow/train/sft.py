@@ -37,7 +37,7 @@ class SFTConfig:
     """Autocast matmuls to bfloat16 (None: only on a CPU with AMX or AVX512-BF16, where it is ~2x faster)."""
 
 
-def bf16_helps() -> bool:
+def _bf16_helps() -> bool:
     cpu = torch.cpu
     return bool(
         getattr(cpu, "_is_amx_tile_supported", lambda: False)()
@@ -114,7 +114,7 @@ def sft_train(
         progress = min(1.0, max(by_steps, elapsed / cfg.max_seconds))
         return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
-    use_bf16 = bf16_helps() if cfg.bf16 is None else cfg.bf16
+    use_bf16 = _bf16_helps() if cfg.bf16 is None else cfg.bf16
     report = SFTReport()
     start = time.monotonic()
     model.train()

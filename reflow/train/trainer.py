@@ -7,8 +7,9 @@ A step packs the rows into micro-batches by padded-token budget, accumulates gra
 loss (decoupled PPO or truncated IS, `reflow.train.losses`), clips the gradient norm and takes an AdamW
 step, once per mini-batch and epoch (`minibatches`, `epochs`; one update by default). The proximal
 policy is the weights before the first update; with one update per batch its log-probs are exactly the
-detached log-probs of the same forward pass, so no extra forward is spent on them. In sync mode the behaviour policy *is* the proximal one (`behaviour_is_prox`): the IS weight is
-exactly 1 and nothing is masked. Otherwise the behaviour log-probs are the ones the engine recorded at
+detached log-probs of the same forward pass, so no extra forward is spent on them. In sync mode the
+behaviour policy *is* the proximal one (`behaviour_is_prox`): the IS weight is exactly 1 and nothing is
+masked. Otherwise the behaviour log-probs are the ones the engine recorded at
 sampling time.
 
 Several ranks: `init_distributed` starts a gloo (CPU) or NCCL process group and the model is sharded
@@ -23,7 +24,7 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -63,15 +64,19 @@ class TrainerConfig:
     seed: int = 0
     minibatches: int = 1
     """Optimizer steps per batch: the rows are split into this many shuffled mini-batches (verl's
-    ppo_mini_batch_size). With more than one, prox is the weights before the first step, recomputed by a
-    no-grad forward pass, and the PPO clip keeps the later steps near it."""
+    ppo_mini_batch_size). With more than one, prox is the weights before the first step (see
+    `prox_logp`), and the PPO clip keeps the later steps near it."""
     epochs: int = 1
     """Passes over the batch's mini-batches (PPO epochs)."""
-    prox_logp: str = "recompute"
+    prox_logp: Literal["recompute", "loglinear"] = "recompute"
     """How later updates get prox log-probs: "recompute" (a no-grad forward before the first update) or
     "loglinear" (no extra forward: per token, log pi_prox ~ log pi_behav + alpha (log pi_theta -
     log pi_behav) with alpha = (v_prox - v_behav) / (v_prox + 1 - v_behav), AReaL's approximation).
     The first update always uses the exact, free detached log-probs of its own forward pass."""
+
+    def __post_init__(self) -> None:
+        if self.prox_logp not in ("recompute", "loglinear"):
+            raise ValueError(f"prox_logp must be 'recompute' or 'loglinear', got {self.prox_logp!r}")
 
 
 def _sum_stat(stats: dict[str, Any], key: str) -> float:
@@ -103,7 +108,7 @@ class PolicyTrainer:
         # On CPU the engine samples in fp32, and bf16 autocast here put the trainer's log-probs up to 0.19
         # nats (p99 0.04) off the engine's on the tiny model: noise in every weight, for no speed-up
         # (measured). So bf16 by default only on GPU, where the engines run in bf16 too.
-        self.bf16 = model_device(model).type == "cuda" if self.cfg.bf16 is None else self.cfg.bf16
+        self.bf16 = model.device.type == "cuda" if self.cfg.bf16 is None else self.cfg.bf16
         self.step = 0
         self.version = 0
         self.rng = random.Random(self.cfg.seed + self.rank)
@@ -153,8 +158,6 @@ class PolicyTrainer:
         updates = len(plan) * self.cfg.epochs
         # Later updates need the log-probs of the weights before the first one (prox); a single update
         # takes them from its own forward pass for free.
-        if self.cfg.prox_logp not in ("recompute", "loglinear"):
-            raise ValueError(f"prox_logp must be 'recompute' or 'loglinear', got {self.cfg.prox_logp!r}")
         recompute = updates > 1 and self.cfg.prox_logp == "recompute"
         prox = self._prox_logprobs(plan) if recompute else None
         first = True  # no optimizer step yet: theta is still prox
@@ -280,10 +283,6 @@ def loglinear_prox(
     lag = (prox_version - versions).clamp(min=0).to(theta_logp.dtype)
     alpha = lag / (lag + 1.0)
     return behav_logp + alpha * (theta_logp - behav_logp)
-
-
-def model_device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
 
 
 def shard_model(model: torch.nn.Module) -> None:
