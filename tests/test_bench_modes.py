@@ -1,6 +1,8 @@
 """The mode benchmark's table: time to target, spread across seeds, reuse and IS columns."""
 
-from reflow.recipes.bench_modes import default_target, plot, table
+import pytest
+
+from reflow.recipes.bench_modes import default_target, plot, start_noise, table
 
 
 def _run(mode, seed, successes, dt=10.0, reuse=None):
@@ -36,8 +38,8 @@ def test_table_reports_time_to_target_and_spread(tmp_path):
         _run("reflow", 0, [0.1, 0.4, 0.4, 0.5], reuse={"1": 6, "2": 4}),
         _run("reflow", 1, [0.1, 0.45, 0.5, 0.5], reuse={"0": 3, "1": 6, "2": 4}),
     ]
-    # lowest best-success mean among modes is async's (0.4 + 0.1) / 2 = 0.25 -> 0.9 * 0.25
-    assert default_target(results) == 0.225
+    # async gains least: (0.3 + 0.0) / 2 = 0.15 over the start 0.1; but it did improve -> 0.1 + 0.9 * 0.15
+    assert default_target(results) == 0.235
     md = table(results, target=0.3, budget_minutes=1)
     rows = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if line.startswith("| ")}
     assert "| 15 ± 7.07 | 2/2 |" in rows["sync"]  # the seeds reach 0.3 at t = 20 and t = 10
@@ -45,3 +47,25 @@ def test_table_reports_time_to_target_and_spread(tmp_path):
     assert "| 10 ± 0 | 2/2 |" in rows["reflow"]
     assert "1.4 ± 0" in rows["reflow"]  # mean uses per consumed group: (6*1 + 4*2) / 10
     assert plot(results, tmp_path, 0.3).stat().st_size > 1000
+
+
+def test_default_target_is_above_the_start_and_its_noise_or_not_measured(tmp_path):
+    improved = [_run("sync", 0, [0.2, 0.3, 0.4]), _run("reflow", 0, [0.2, 0.4, 0.6])]
+    flat = [_run("async", 0, [0.2, 0.2, 0.1])]
+    # a mode that never improved does not pull the target down to the start: 90% of the largest gain
+    assert default_target(improved + flat) == 0.56
+    assert default_target(improved) == 0.38  # every mode improved: 90% of the smallest gain
+    assert default_target(flat) is None  # no gain at all: nothing to time
+    md = table(flat, target=None, budget_minutes=1)
+    assert md.startswith("No mode improved on the start")
+    assert "| async | - | - |" in md
+    assert plot(flat, tmp_path, None).stat().st_size > 1000
+    # gains of one or two problems in 100 are within the start's standard error (0.04 at 0.2): no target
+    small = [_run("sync", 0, [0.2, 0.21, 0.22]), _run("reflow", 0, [0.2, 0.23, 0.23])]
+    for r in small:
+        r["evals"][0]["episodes"] = 100
+    assert start_noise(small) == pytest.approx(0.04)
+    assert default_target(small) is None
+    for r in small:
+        r["evals"][0]["episodes"] = 10_000  # the same gains on 10,000 problems are real (se 0.004)
+    assert default_target(small) == 0.218

@@ -184,3 +184,38 @@ def test_warmstart_cache_key_follows_the_env_curriculum(monkeypatch):
     monkeypatch.setattr(CalcEnv, "demo_kwargs", {"max_steps": 3})
     assert warmstart_key(default) != before[0]  # the env's own curriculum changed: a new warm start
     assert warmstart_key(explicit) == before[1]  # the config's curriculum wins over the env's
+
+
+@pytest.mark.slow
+def test_a_warm_start_cut_short_by_its_time_cap_is_not_reused(small_model, tmp_path, monkeypatch):
+    from reflow.config import RunConfig
+    from reflow.recipes.run_log import RunLog
+    from reflow.recipes.warm_phase import run_warmstart
+
+    monkeypatch.setenv("REFLOW_CACHE_DIR", str(tmp_path / "cache"))
+
+    def warm(seconds, name):
+        ws = {"demos": 8, "max_steps": 3, "seconds": seconds, "batch_tokens": 512}
+        config = RunConfig(env={"id": "reflow/Math-v0"}, model=small_model, warmstart=ws)
+        log = RunLog(tmp_path / name, live=False)
+        path = run_warmstart(config, log)
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        (row,) = [r for r in rows if r["kind"] == "warmstart"]
+        return path, row
+
+    # a 1 ms cap stops SFT after its first step: flagged, and the next run trains again
+    path, cut = warm(0.001, "a")
+    assert (cut["sft_steps"], cut["sft_max_steps"], cut["stopped_by"], cut["cached"]) == (
+        1,
+        3,
+        "seconds",
+        False,
+    )
+    _, again = warm(0.001, "b")
+    assert again["cached"] is False
+    # the seconds cap is part of the key, so a roomy cap is its own warm start: complete, then reused
+    _, full = warm(600.0, "c")
+    assert (full["sft_steps"], full["stopped_by"], full["cached"]) == (3, "steps", False)
+    reused_path, reused = warm(600.0, "d")
+    assert reused["cached"] is True and reused["stopped_by"] == "steps"
+    assert Path(reused_path).is_dir() and Path(path).parent == Path(reused_path).parent

@@ -3,7 +3,10 @@ model as it is.
 
 A warm start is cached under `$REFLOW_CACHE_DIR/warmstart/<hash>` (default `~/.cache/reflow`), keyed on
 everything that shapes it (env, model, overrides, warm-start settings, seed, tiny-builder version), so
-runs that differ only in RL settings reuse it; `warmstart.cache: false` always trains a new one.
+runs that differ only in RL settings reuse it; `warmstart.cache: false` always trains a new one. A
+warm start that its time cap (`warmstart.seconds`) cut short of `warmstart.max_steps` serves its own
+run but is not reused: the key promises what the step budget gives, and a slow spell of the machine
+would otherwise pin a weaker model under it.
 """
 
 from __future__ import annotations
@@ -44,10 +47,16 @@ def warmstart_key(config: RunConfig) -> str:
 def run_warmstart(config: RunConfig, log: RunLog) -> str:
     ws = config.warmstart
     out = cache_dir().parent / "warmstart" / warmstart_key(config)
-    if ws.cache and (out / "warmstart.json").is_file():
+    cached = json.loads((out / "warmstart.json").read_text()) if (out / "warmstart.json").is_file() else None
+    if ws.cache and cached is not None and cached.get("stopped_by") != "seconds":
         log.console.print(f"warm start: reusing {out}")
-        log.write("warmstart", {**json.loads((out / "warmstart.json").read_text()), "cached": True})
+        log.write("warmstart", {**cached, "cached": True})
         return str(out)
+    if ws.cache and cached is not None:
+        log.console.print(
+            f"warm start: the cached one stopped at step {cached['sft_steps']} of {cached['sft_max_steps']}"
+            " (time cap); training it again"
+        )
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     log.console.print(

@@ -120,6 +120,9 @@ def warmstart(
         lr=lr, max_steps=max_steps, max_seconds=seconds, batch_tokens=batch_tokens, seed=seed, log_every=50
     )
     report = sft_train(model, rows, tokenizer.pad_token_id, config, log=log)
+    stopped_by = "steps" if report.steps >= max_steps else "seconds"
+    if stopped_by == "seconds":  # a slow machine: the model is short of what its step budget gives
+        log(f"warning: SFT stopped by its {seconds:.0f}s time cap at step {report.steps} of {max_steps}")
     out = Path(out_dir)
     with quiet_progress_bars():
         model.save_pretrained(out)
@@ -138,6 +141,8 @@ def warmstart(
         "model": str(out),
         "demo_rows": len(rows),
         "sft_steps": report.steps,
+        "sft_max_steps": max_steps,
+        "stopped_by": stopped_by,
         "sft_seconds": round(report.seconds, 1),
         "final_loss": round(sum(report.losses[-20:]) / max(1, len(report.losses[-20:])), 4),
         "heldout_success": result.get("success_rate"),
