@@ -171,6 +171,28 @@ class ResourcesSection(_Section):
         return value
 
 
+class EngineSection(_Section):
+    """The rollout workers' inference engine (`reflow.sched.engines`)."""
+
+    kind: Literal["torch", "sglang"] = Field("torch", description="torch: in-process; sglang: SGLang servers")
+    urls: list[str] = Field(default_factory=list, description="running SGLang servers, shared by all workers")
+    launch_port: int | None = Field(
+        None, gt=0, lt=65536, description="launch one SGLang server per rollout worker at this port + index"
+    )
+    launch_args: list[str] = Field(default_factory=list, description="extra sglang.launch_server arguments")
+    weights_dir: str | None = Field(
+        None, description="where workers write each policy for their servers (default: <run>/engine-weights)"
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EngineSection:
+        if self.kind == "torch" and (self.urls or self.launch_port is not None or self.launch_args):
+            raise ValueError("engine.urls, launch_port and launch_args apply to engine.kind: sglang only")
+        if self.kind == "sglang" and bool(self.urls) == (self.launch_port is not None):
+            raise ValueError("engine.kind sglang needs exactly one of engine.urls or engine.launch_port")
+        return self
+
+
 class RunConfig(_Section):
     run_name: str = "run"
     mode: Literal["sync", "async", "reflow"] = Field(
@@ -189,6 +211,7 @@ class RunConfig(_Section):
     eval: EvalSection = Field(default_factory=EvalSection)
     replay: ReplaySection = Field(default_factory=ReplaySection)
     resources: ResourcesSection = Field(default_factory=ResourcesSection)
+    engine: EngineSection = Field(default_factory=EngineSection)
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 

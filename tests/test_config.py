@@ -50,6 +50,18 @@ def test_round_trip_through_yaml(tmp_path):
         (["env.id=reflow/Nope-v0"], "'reflow/Nope-v0' is not registered"),
         (["env.id=reflow/Calc-v0", "env.plugins=[no_such_module_xyz]"], "no_such_module_xyz"),
         (["env.id=reflow/Calc-v0", "mode=turbo"], "mode"),
+        (["env.id=reflow/Calc-v0", "engine.kind=sglang"], "exactly one of engine.urls or engine.launch_port"),
+        (
+            [
+                "env.id=reflow/Calc-v0",
+                "engine.kind=sglang",
+                "engine.urls=[http://a:1]",
+                "engine.launch_port=30000",
+            ],
+            "exactly one of engine.urls or engine.launch_port",
+        ),
+        (["env.id=reflow/Calc-v0", "engine.urls=[http://a:1]"], "apply to engine.kind: sglang only"),
+        (["env.id=reflow/Calc-v0", "engine.kind=vllm"], "engine.kind"),
     ],
 )
 def test_bad_configs_name_the_key(overrides, message):

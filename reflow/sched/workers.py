@@ -91,14 +91,12 @@ class RolloutWorker:
     def __init__(self, config: RunConfig, model_path: str, replay: Any, index: int = 0) -> None:
         import torch
 
-        from reflow.engine.torch_engine import TorchEngine
-        from reflow.models import load_model
+        from reflow.sched.engines import build_engine
 
         torch.set_num_threads(_threads(config))
-        self.config, self.replay, self.index = config, replay, index
+        self.config, self.replay, self.index, self.model_path = config, replay, index, model_path
         self._load_plugins()
-        model, self.tokenizer = load_model(model_path, device=config.resources.device)
-        self.engine = TorchEngine(model, self.tokenizer, max_batch_size=config.rollout.max_batch_size)
+        self.engine, self.tokenizer = build_engine(config, model_path, index)
         r = config.rollout
         self.runner = EpisodeRunner(
             self.engine,
@@ -145,7 +143,9 @@ class RolloutWorker:
         return list(await asyncio.gather(*(one(s, g) for s, g in zip(seeds, ids, strict=True))))
 
     async def update_weights(self, state_dict: dict[str, Any], version: int) -> int:
-        return await self.engine.update_weights(state_dict=state_dict, version=version)
+        from reflow.sched.engines import push_weights
+
+        return await push_weights(self.engine, self.config, self.model_path, self.index, state_dict, version)
 
     async def evaluate(self, episodes: int, seed: int) -> dict[str, Any]:
         """Greedy success on the fixed held-out task set (seeds from `seed`)."""

@@ -195,3 +195,51 @@ def test_response_parsing_checks_consistency():
     body["meta_info"]["output_token_logprobs"][1][1] = 8
     with pytest.raises(EngineError, match="does not match"):
         parse_generate_response(body, 0)
+
+
+async def test_a_rollout_worker_drives_sglang_servers_and_hands_them_each_policy_from_disk(tmp_path):
+    """`engine.kind: sglang`: the worker tokenizes and plays episodes through `/generate`, and a new
+    policy reaches the servers as a folder they load with `/update_weights_from_disk`."""
+    import torch
+
+    from reflow.config import load_config
+    from reflow.models import build_tiny, load_model
+    from reflow.sched.workers import RolloutWorker
+
+    model_dir = str(
+        build_tiny(tmp_path / "model", num_hidden_layers=1, hidden_size=64, intermediate_size=128)
+    )
+    config = load_config(
+        None,
+        [
+            "env.id=reflow/Calc-v0",
+            "engine.kind=sglang",
+            "engine.urls=[http://gpu-a:30000]",
+            f"out_dir={tmp_path / 'runs'}",
+            "eval.max_new_tokens=4",
+        ],
+    )
+    worker = RolloutWorker(config, model_dir, replay=None)
+    assert isinstance(worker.engine, SGLangEngine)
+    log, version = [], ["0"]
+    worker.engine.client = httpx.AsyncClient(transport=sglang_transport(log, version))
+
+    summary = await worker.evaluate(episodes=3, seed=0)  # garbage tokens: episodes end unanswered
+    assert sum(summary["statuses"].values()) == 3
+    assert sum(1 for _, path, _ in log if path == "/generate") >= 3
+
+    policy, _ = load_model(model_dir)
+    with torch.no_grad():
+        policy.model.embed_tokens.weight.add_(0.5)  # the "trained" weights (tied to lm_head)
+    for step in (1, 2):
+        assert await worker.update_weights(policy.state_dict(), version=step) == step
+        (body,) = [b for _, path, b in log if path == "/update_weights_from_disk"][-1:]
+        assert body["weight_version"] == str(step)
+        loaded, tok = load_model(body["model_path"])  # what the server loads
+        assert torch.equal(loaded.model.embed_tokens.weight, policy.model.embed_tokens.weight)
+        assert torch.equal(loaded.lm_head.weight, policy.model.embed_tokens.weight)
+        assert tok.chat_template
+    folders = sorted(p.name for p in (tmp_path / "runs" / "run" / "engine-weights" / "worker-0").iterdir())
+    assert folders == ["v000002"]  # the servers hold the weights: only the newest folder stays
+    assert await worker.weight_version() == 2
+    await worker.close()
