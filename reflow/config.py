@@ -158,6 +158,9 @@ class ResourcesSection(_Section):
         default_factory=lambda: ["rollout", "train"], description="one role per device slot"
     )
     device: Literal["cpu", "cuda"] = "cpu"
+    gpus_per_slot: float = Field(
+        1.0, gt=0, description="GPUs a slot reserves with device cuda (0.5: two slots share one GPU)"
+    )
     threads_per_slot: int | None = Field(
         None, gt=0, description="torch threads per actor (None: all cores in sync mode, as phases alternate)"
     )

@@ -4,8 +4,10 @@
 
 It launches a server on the tiny preset (or the model you name), then checks: token-in-token-out
 generation with logprobs that match a Hugging Face forward pass, stop on EOS, abort, pause/continue,
-a weight update from disk that bumps the version and changes the outputs, and an episode of
-reflow/Calc-v0 played through the episode runner. Prints one line per check; exits 1 on a failure.
+a weight update from disk that bumps the version and changes the outputs, an episode of
+reflow/Calc-v0 played through the episode runner, and three sync RL steps of `reflow agent-train` with
+`engine.kind: sglang` (a server launched by the rollout worker, each policy handed over from disk).
+Prints one line per check; exits 1 on a failure.
 """
 
 from __future__ import annotations
@@ -87,7 +89,39 @@ async def main(model_path: str, port: int) -> int:
         )
     finally:
         await engine.close()
+    results.append(agent_train_leg(path, port + 1))
     return 0 if all(results) else 1
+
+
+def agent_train_leg(model_path: str, port: int) -> bool:
+    """`reflow agent-train` for 3 sync steps with the rollout worker's own SGLang server."""
+    from reflow.config import load_config
+    from reflow.recipes.agent_train import train
+    from reflow.recipes.run_log import read_metrics
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = load_config(
+            None,
+            [
+                "env.id=reflow/Calc-v0",
+                f"model={model_path}",
+                "warmstart.enabled=false",
+                "train.steps=3",
+                "eval.every=0",
+                "eval.episodes=8",
+                "resources.device=cuda",
+                "resources.gpus_per_slot=0.5",  # the rollout and train slots share one GPU
+                "engine.kind=sglang",
+                f"engine.launch_port={port}",
+                "engine.launch_args=[--mem-fraction-static, '0.2']",
+                f"out_dir={tmp}",
+            ],
+        )
+        summary = train(config)
+        versions = [s["version"] for s in read_metrics(config.run_dir, "step")]
+    return check(
+        "agent-train with engine.kind sglang", summary["steps"] == 3 and versions == [1, 2, 3], str(versions)
+    )
 
 
 if __name__ == "__main__":

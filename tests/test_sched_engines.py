@@ -1,4 +1,5 @@
-"""`reflow.sched.engines`: the policy folder a rollout worker writes for SGLang servers to load."""
+"""`reflow.sched`: the policy folder a rollout worker writes for SGLang servers to load, and what a
+device slot reserves."""
 
 import torch
 
@@ -22,3 +23,22 @@ def test_written_policy_is_a_complete_model_folder_without_stale_weight_files(tm
     loaded, _ = load_model(str(out))
     for k, v in loaded.state_dict().items():
         assert torch.equal(v, state[k]), k
+
+
+def test_a_slot_reserves_the_configured_share_of_a_gpu():
+    from types import SimpleNamespace
+
+    from reflow.config import load_config
+    from reflow.sched.pool import ResourcePool
+
+    def reserved(*overrides):
+        config = load_config(None, ["env.id=reflow/Calc-v0", *overrides])
+        return ResourcePool.slot_resources(SimpleNamespace(config=config))
+
+    assert reserved() == {"num_cpus": 1}
+    assert reserved("resources.device=cuda") == {"num_cpus": 1, "num_gpus": 1.0}
+    # two slots on one GPU (rollout engine + trainer on a single-GPU machine)
+    assert reserved("resources.device=cuda", "resources.gpus_per_slot=0.5") == {
+        "num_cpus": 1,
+        "num_gpus": 0.5,
+    }

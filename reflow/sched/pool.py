@@ -61,7 +61,7 @@ class ResourcePool:
 
     def slot_resources(self) -> dict[str, float]:
         if self.config.resources.device == "cuda":
-            return {"num_cpus": 1, "num_gpus": 1}
+            return {"num_cpus": 1, "num_gpus": self.config.resources.gpus_per_slot}
         return {"num_cpus": 1}
 
     def place(self, role: str, slot: int, *args: Any) -> Any:
