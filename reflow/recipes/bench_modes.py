@@ -230,8 +230,8 @@ def cmd_bench_modes(args: argparse.Namespace) -> int:
     target = args.target if args.target is not None else default_target(results)
     markdown = table(results, target, budget)
     (out / "bench_modes.md").write_text(markdown)
-    saved = {"target": target, "budget_minutes": budget, "results": results}
-    (out / "bench_modes.json").write_text(json.dumps(saved, default=str))
+    report = {"target": target, "budget_minutes": budget, "results": results}
+    (out / "bench_modes.json").write_text(json.dumps(report, default=str))
     png = plot(results, out, target)
     console.print(markdown)
     console.print(f"table: {out / 'bench_modes.md'}, plot: {png}")

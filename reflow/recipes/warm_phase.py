@@ -47,12 +47,13 @@ def warmstart_key(config: RunConfig) -> str:
 def run_warmstart(config: RunConfig, log: RunLog) -> str:
     ws = config.warmstart
     out = cache_dir().parent / "warmstart" / warmstart_key(config)
-    cached = json.loads((out / "warmstart.json").read_text()) if (out / "warmstart.json").is_file() else None
-    if ws.cache and cached is not None and cached.get("stopped_by") != "seconds":
+    summary_file = out / "warmstart.json"
+    cached = json.loads(summary_file.read_text()) if ws.cache and summary_file.is_file() else None
+    if cached is not None and cached.get("stopped_by") != "seconds":
         log.console.print(f"warm start: reusing {out}")
         log.write("warmstart", {**cached, "cached": True})
         return str(out)
-    if ws.cache and cached is not None:
+    if cached is not None:
         log.console.print(
             f"warm start: the cached one stopped at step {cached['sft_steps']} of {cached['sft_max_steps']}"
             " (time cap); training it again"

@@ -25,8 +25,6 @@ def _is_weights(name: str) -> bool:
 
 def build_engine(config: RunConfig, model_path: str, index: int) -> tuple[Any, Any]:
     """(engine, tokenizer) for rollout worker `index`."""
-    from reflow.models.presets import resolve_model_path
-
     if config.engine.kind == "torch":
         from reflow.engine.torch_engine import TorchEngine
         from reflow.models import load_model
@@ -37,6 +35,7 @@ def build_engine(config: RunConfig, model_path: str, index: int) -> tuple[Any, A
     from transformers import AutoTokenizer
 
     from reflow.engine.sglang_engine import SGLangEngine
+    from reflow.models.presets import resolve_model_path
 
     path = str(resolve_model_path(model_path))
     tokenizer = AutoTokenizer.from_pretrained(path)  # token-in-token-out: the worker tokenizes

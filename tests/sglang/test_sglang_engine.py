@@ -222,6 +222,7 @@ async def test_a_rollout_worker_drives_sglang_servers_and_hands_them_each_policy
     worker = RolloutWorker(config, model_dir, replay=None)
     assert isinstance(worker.engine, SGLangEngine)
     log, version = [], ["0"]
+    await worker.engine.client.aclose()  # the worker's own client would dial gpu-a: answer in process
     worker.engine.client = httpx.AsyncClient(transport=sglang_transport(log, version))
 
     summary = await worker.evaluate(episodes=3, seed=0)  # garbage tokens: episodes end unanswered
