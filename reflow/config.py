@@ -54,8 +54,8 @@ class WarmstartSection(_Section):
     enabled: bool = True
     demos: int = Field(2000, gt=0)
     error_rate: float = Field(0.05, ge=0.0, le=1.0)
-    seconds: float = Field(280.0, gt=0)
-    max_steps: int = Field(900, gt=0)
+    seconds: float = Field(360.0, gt=0)
+    max_steps: int = Field(1200, gt=0)
     lr: float = Field(1e-2, gt=0)
     batch_tokens: int = Field(2048, gt=0)
     demo_env_kwargs: dict[str, Any] = Field(default_factory=dict, description="a curriculum for the demos")

@@ -282,3 +282,36 @@ def test_smollm2_preset_is_a_working_pretrained_model(tmp_path, monkeypatch):
         logits = model(torch.tensor([ids + res.output_ids])).logits[0, len(ids) - 1 : -1].log_softmax(-1)
     ref = logits.gather(-1, torch.tensor(res.output_ids)[:, None]).squeeze(-1)
     assert (ref - torch.tensor(res.logprobs)).abs().max().item() <= 1e-4
+
+
+def test_every_run_of_up_to_three_digits_is_one_token(tok):
+    """A number's tokens do not depend on its value or on the text around it (a BPE left to its
+    merges split 216 as 2|16 and 148 as 14|8), so copying a number is copying whole tokens."""
+    single = {f"{n:0{width}d}" for width in (1, 2, 3) for n in range(10**width)}
+    assert len(single) == 1110
+    ids = {s: tok(s)["input_ids"] for s in single}
+    assert all(len(v) == 1 for v in ids.values()), [s for s, v in ids.items() if len(v) != 1][:5]
+    assert len({v[0] for v in ids.values()}) == 1110
+    for n in (7, 60, 216, 148, 999):
+        for text in (
+            f"\\boxed{{{n}}}",
+            f'"expression": "{n} * 4"',
+            f"<tool_response>\n{n}\n",
+            f"has {n} apples",
+        ):
+            assert ids[str(n)][0] in tok(text)["input_ids"], (n, text)
+    # longer runs split every three digits from the left, and every text still round-trips
+    assert tok.convert_ids_to_tokens(tok("1234567")["input_ids"]) == ["123", "456", "7"]
+    assert tok.convert_ids_to_tokens(tok("100050")["input_ids"]) == ["100", "050"]
+    for text in ("x1y22z333", "3.75 - -12", "1,234.56", "٣٤ ½ 10"):
+        assert tok.decode(tok(text)["input_ids"]) == text
+
+
+def test_one_digit_per_token_adds_no_number_tokens():
+    from reflow.models.tiny import train_tokenizer
+
+    tok = train_tokenizer(vocab_size=512, digits_per_token=1)
+    assert tok.convert_ids_to_tokens(tok("216")["input_ids"]) == ["2", "1", "6"]
+    assert len(tok) <= 512
+    with pytest.raises(ValueError, match="digits_per_token"):
+        train_tokenizer(vocab_size=512, digits_per_token=4)

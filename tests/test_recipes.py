@@ -61,6 +61,25 @@ def test_rollout_writes_parquet_and_prints_the_summary(small_model, tmp_path):
 
 
 @pytest.mark.slow
+def test_rollout_pass_at_k_reports_the_rl_headroom_on_the_held_out_tasks(small_model, tmp_path):
+    path = tmp_path / "eval.jsonl"
+    common = ["--env", "reflow/Calc-v0", "--model", small_model, "--max-new-tokens", "16"]
+    out, summary = run("rollout", *common, "--eval", "--episodes", "3", "--pass-at", "2", "--out", str(path))
+    room = summary["rl_headroom"]
+    assert room["tasks"] == 3 and room["samples_per_task"] == 2
+    assert 0.0 <= room["headroom"] <= room["pass_at_k"] <= 1.0
+    assert "RL headroom" in out.stdout
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    # 3 greedy episodes, then 2 sampled ones on each of the same 3 held-out tasks
+    assert len(rows) == 9
+    assert sorted(r["seed"] for r in rows[3:]) == sorted(2 * [r["seed"] for r in rows[:3]])
+    assert all(r["turns"][0]["sampling_params"]["temperature"] == 0.0 for r in rows[:3])
+    assert all(r["turns"][0]["sampling_params"]["temperature"] == 1.0 for r in rows[3:])
+    bad = subprocess.run([REFLOW, "rollout", *common, "--pass-at", "2"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--pass-at K needs --eval" in bad.stdout
+
+
+@pytest.mark.slow
 def test_warmstart_trains_on_demos_saves_a_model_and_evaluates(small_model, tmp_path):
     out_dir = tmp_path / "warm"
     _, summary = run(

@@ -1,6 +1,7 @@
 """`reflow rollout`: play N episodes of an env with a model, write the trajectories, print a summary.
 
 reflow rollout --env reflow/Calc-v0 --model tiny --episodes 64 --out runs/calc.jsonl
+reflow rollout --env reflow/Calc-v0 --model FOLDER --eval --episodes 300 --pass-at 8   # RL headroom
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from reflow.engine import Engine, SamplingParams
 from reflow.records import EpisodeRecord
-from reflow.rollout.collect import EVAL_SEED_BASE, collect, summarize
+from reflow.rollout.collect import EVAL_SEED_BASE, collect, rl_headroom, summarize
 from reflow.rollout.episode import EpisodeRunner, RolloutConfig
 
 
@@ -61,6 +62,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0, help="task seed of the first group")
     p.add_argument("--eval", action="store_true", help="greedy, on the held-out task seeds")
+    p.add_argument(
+        "--pass-at",
+        type=int,
+        metavar="K",
+        help="with --eval: also sample K episodes per held-out task (at --temperature) and report "
+        "pass@K and the RL headroom (tasks greedy fails and some sample solves)",
+    )
     p.add_argument("--out", help="write trajectories here (.jsonl or .parquet)")
     p.set_defaults(fn=cmd_rollout)
 
@@ -68,36 +76,56 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_rollout(args: argparse.Namespace) -> int:
     from reflow.cli import console
 
-    async def main() -> tuple[list[EpisodeRecord], float]:
-        engine, tokenizer = make_engine(args.model, args.max_batch_size)
-        temperature = 0.0 if args.eval else args.temperature
+    if args.pass_at is not None and (not args.eval or args.pass_at < 1):
+        console.print("[red]--pass-at K needs --eval and K >= 1[/red]")
+        return 2
+
+    async def run(engine: Engine, tokenizer: Any, temperature: float, group_size: int, episodes: int):
         sampling = SamplingParams(
             max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=args.top_p
         )
-        runner = EpisodeRunner(engine, tokenizer, RolloutConfig(sampling=sampling))
+        return await collect(
+            EpisodeRunner(engine, tokenizer, RolloutConfig(sampling=sampling)),
+            args.env,
+            episodes,
+            group_size=group_size,
+            seed=EVAL_SEED_BASE if args.eval else args.seed,
+            concurrency=args.max_batch_size,
+        )
+
+    async def main() -> tuple[list[EpisodeRecord], list[EpisodeRecord], float]:
+        engine, tokenizer = make_engine(args.model, args.max_batch_size)
         start = time.monotonic()
         try:
-            records = await collect(
-                runner,
-                args.env,
-                args.episodes,
-                group_size=args.group_size,
-                seed=EVAL_SEED_BASE if args.eval else args.seed,
-                concurrency=args.max_batch_size,
-            )
+            temperature = 0.0 if args.eval else args.temperature
+            records = await run(engine, tokenizer, temperature, args.group_size, args.episodes)
+            seconds = time.monotonic() - start
+            sampled = []
+            if args.pass_at:
+                k = args.pass_at
+                sampled = await run(engine, tokenizer, args.temperature, k, len(records) * k)
         finally:
             await engine.close()
-        return records, time.monotonic() - start
+        return records, sampled, seconds
 
-    records, seconds = asyncio.run(main())
+    records, sampled, seconds = asyncio.run(main())
     summary = summarize(records, seconds)
     if args.out:
-        write_records(records, args.out)
+        write_records(records + sampled, args.out)
     console.print(
         f"[bold]{args.env}[/bold] with {args.model}: {summary['episodes']} episodes, "
         f"success {summary['success_rate']:.1%}, reward {summary['reward_mean']:.3f}, "
         f"turns p50/p90/max {summary['turns_p50']:g}/{summary['turns_p90']:g}/{summary['turns_max']}, "
         f"{summary['generated_tokens_per_s']:.0f} generated tokens/s, statuses {summary['statuses']}"
     )
+    if sampled:
+        room = rl_headroom(records, sampled)
+        summary["rl_headroom"] = room
+        console.print(
+            f"{room['samples_per_task']} samples per task at temperature {args.temperature:g}: "
+            f"sampled success {room['sampled_success']:.1%}, pass@{room['samples_per_task']} "
+            f"{room['pass_at_k']:.1%}; RL headroom {room['headroom']:.1%} (tasks greedy fails and "
+            "some sample solves: what RL can turn into greedy success)"
+        )
     print(json.dumps(summary))
     return 0

@@ -84,8 +84,8 @@ def warmstart(
     *,
     demos: int = 2000,
     error_rate: float = 0.05,
-    seconds: float = 280.0,
-    max_steps: int = 900,
+    seconds: float = 360.0,
+    max_steps: int = 1200,
     lr: float = 1e-2,
     batch_tokens: int = 2048,
     model_config: dict[str, Any] | None = None,
@@ -160,9 +160,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="output folder (default runs/warmstart-<env>)")
     p.add_argument("--demos", type=int, default=2000, help="scripted episodes to learn from")
     p.add_argument("--error-rate", type=float, default=0.05, help="slip probability of the demonstrations")
-    p.add_argument("--seconds", type=float, default=280.0, help="SFT time cap")
+    p.add_argument("--seconds", type=float, default=360.0, help="SFT time cap")
     p.add_argument(
-        "--max-steps", type=int, default=900, help="SFT steps (~200 s for the tiny model on 2 idle cores)"
+        "--max-steps", type=int, default=1200, help="SFT steps (~230 s for the tiny model on 2 idle cores)"
     )
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument(

@@ -61,6 +61,35 @@ def summarize(records: list[EpisodeRecord], seconds: float) -> dict[str, Any]:
     }
 
 
+def rl_headroom(greedy: list[EpisodeRecord], sampled: list[EpisodeRecord]) -> dict[str, Any]:
+    """How much greedy success RL can add: the share of tasks greedy decoding fails while at least one
+    of their sampled episodes succeeds.
+
+    GRPO only learns from groups with a success, so a task no sample solves cannot become a greedy
+    success, and one greedy already solves has nothing to gain; greedy success after RL is roughly
+    bounded by greedy + headroom. Records pair up by task seed (`collect` on the same seed range).
+    An infra_error episode counts as no success.
+    """
+    by_seed: dict[int | None, list[EpisodeRecord]] = {}
+    for rec in sampled:
+        by_seed.setdefault(rec.seed, []).append(rec)
+    first_greedy: dict[int | None, EpisodeRecord] = {}
+    for rec in greedy:
+        first_greedy.setdefault(rec.seed, rec)
+    paired = [(g, by_seed[seed]) for seed, g in first_greedy.items() if seed in by_seed]
+    if not paired:
+        raise ValueError("no task has both a greedy and a sampled episode (different seed ranges?)")
+    n = len(paired)
+    return {
+        "tasks": n,
+        "samples_per_task": min(len(s) for _, s in paired),
+        "greedy_success": sum(g.success for g, _ in paired) / n,
+        "sampled_success": sum(sum(r.success for r in s) / len(s) for _, s in paired) / n,
+        "pass_at_k": sum(any(r.success for r in s) for _, s in paired) / n,
+        "headroom": sum(not g.success and any(r.success for r in s) for g, s in paired) / n,
+    }
+
+
 async def evaluate(
     engine: Engine,
     tokenizer: Any,
