@@ -9,8 +9,8 @@ folder contents on every machine.
 
 Tokenizer choices, and why:
 - byte-level BPE with Qwen2's pre-tokenizer regex, except that runs of up to 3 digits stay together
-  and each such run is one token: all 1,110 strings of 1-3 digits are in the vocabulary, on top of
-  `vocab_size` (as in GPT-4's tokenizer; `digits_per_token=1` gives Qwen's one digit per token), and
+  and each such run is one token: all 1,110 strings of 1-3 digits are in the vocabulary (the 1,100
+  of 2-3 digits on top of `vocab_size`; as in GPT-4's tokenizer; `digits_per_token=1` gives Qwen's one digit per token), and
   no normalizer, so that decode(encode(text)) == text for any unicode string (Qwen's NFC would not).
   Measured on the calculator env after `make train`'s warm start: digit by digit 2-11% held-out
   success, runs of digits split by BPE merges (216 as 2|16, 148 as 14|8) 22%, whole numbers 26%

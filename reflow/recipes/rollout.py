@@ -101,9 +101,9 @@ def cmd_rollout(args: argparse.Namespace) -> int:
             records = await run(engine, tokenizer, temperature, args.group_size, args.episodes)
             seconds = time.monotonic() - start
             sampled = []
-            if args.pass_at:
-                k = args.pass_at
-                sampled = await run(engine, tokenizer, args.temperature, k, len(records) * k)
+            if args.pass_at:  # K samples on each task the greedy run played (a task per group)
+                k, tasks = args.pass_at, len({r.seed for r in records})
+                sampled = await run(engine, tokenizer, args.temperature, k, tasks * k)
         finally:
             await engine.close()
         return records, sampled, seconds
