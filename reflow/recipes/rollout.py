@@ -55,7 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--env", required=True, help="env id, e.g. reflow/Calc-v0")
     p.add_argument("--model", default="tiny", help="a preset name or a local HF folder")
     p.add_argument("--episodes", type=int, default=32)
-    p.add_argument("--group-size", type=int, default=1)
+    p.add_argument("--group-size", type=int, default=1, help="episodes per task (not with --eval)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -79,6 +79,9 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     if args.pass_at is not None and (not args.eval or args.pass_at < 1):
         console.print("[red]--pass-at K needs --eval and K >= 1[/red]")
         return 2
+    if args.eval and args.group_size != 1:  # greedy decoding would play the same episode G times
+        console.print("[red]--eval plays one greedy episode per held-out task: drop --group-size[/red]")
+        return 2
 
     async def run(engine: Engine, tokenizer: Any, temperature: float, group_size: int, episodes: int):
         sampling = SamplingParams(
@@ -101,9 +104,10 @@ def cmd_rollout(args: argparse.Namespace) -> int:
             records = await run(engine, tokenizer, temperature, args.group_size, args.episodes)
             seconds = time.monotonic() - start
             sampled = []
-            if args.pass_at:  # K samples on each task the greedy run played (a task per group)
-                k, tasks = args.pass_at, len({r.seed for r in records})
-                sampled = await run(engine, tokenizer, args.temperature, k, tasks * k)
+            if args.pass_at:  # K samples on each task the greedy run played
+                sampled = await run(
+                    engine, tokenizer, args.temperature, args.pass_at, len(records) * args.pass_at
+                )
         finally:
             await engine.close()
         return records, sampled, seconds
