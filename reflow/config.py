@@ -119,11 +119,21 @@ class TrainSection(_Section):
 
 
 class EvalSection(_Section):
-    every: int = Field(
-        10, ge=0, description="steps between greedy held-out evaluations (0: only at the ends)"
-    )
-    episodes: int = Field(100, ge=0)
+    every: int = Field(10, ge=0, description="steps between held-out evaluations (0: only at the ends)")
+    episodes: int = Field(100, ge=0, description="held-out tasks per evaluation")
     max_new_tokens: int = Field(128, gt=0)
+    temperature: float = Field(
+        0.0,
+        ge=0,
+        description="0: greedy (the default); > 0: sampled at this temperature (the rollout's top-p/top-k), "
+        "which measures the policy RL optimises rather than its argmax",
+    )
+    samples: int = Field(
+        1,
+        ge=1,
+        description="episodes per held-out task; success is their mean (mean@k), whose sampling noise "
+        "falls as 1/sqrt(episodes x samples); > 1 needs temperature > 0",
+    )
     env_kwargs: dict[str, Any] | None = Field(
         None,
         description="env kwargs of the held-out evaluation (None: env.kwargs); lets RL train on a "
@@ -134,6 +144,12 @@ class EvalSection(_Section):
         description="snapshot the weights at each evaluation point and evaluate after the run, so that "
         "evaluation never competes with training (the mode benchmark uses this)",
     )
+
+    @model_validator(mode="after")
+    def _samples_need_sampling(self) -> EvalSection:
+        if self.samples > 1 and self.temperature == 0:
+            raise ValueError("samples > 1 needs temperature > 0: greedy episodes of one task are identical")
+        return self
 
 
 class ReplaySection(_Section):

@@ -62,6 +62,7 @@ def test_round_trip_through_yaml(tmp_path):
         ),
         (["env.id=reflow/Calc-v0", "engine.urls=[http://a:1]"], "apply to engine.kind: sglang only"),
         (["env.id=reflow/Calc-v0", "engine.kind=vllm"], "engine.kind"),
+        (["env.id=reflow/Calc-v0", "eval.samples=4"], "samples > 1 needs temperature > 0"),
     ],
 )
 def test_bad_configs_name_the_key(overrides, message):

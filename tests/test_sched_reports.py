@@ -40,3 +40,44 @@ def test_report_carries_tool_latencies_in_ms_and_spread_without_infra_errors():
     # the only 0-reward episode is an infra error: masked, so no spread left
     report = report_group([_episode(1.0, "ok", []), _episode(0.0, "infra_error", [])], 0.5)
     assert not report.has_spread and report.tool_latencies_ms == []
+
+
+async def test_held_out_evaluation_is_greedy_by_default_or_a_mean_over_sampled_episodes(
+    tmp_path, monkeypatch
+):
+    """`eval.temperature` > 0 with `eval.samples` k: k sampled episodes on each held-out task, success
+    their mean; the default stays one greedy episode per task."""
+    import reflow.rollout.collect as collect_module
+    from reflow.config import load_config
+    from reflow.models import build_tiny
+    from reflow.sched.workers import RolloutWorker
+
+    model_dir = str(build_tiny(tmp_path / "m", num_hidden_layers=1, hidden_size=32, intermediate_size=64))
+    played = []
+    real_collect = collect_module.collect
+
+    async def spy(runner, env_id, episodes, **kw):
+        records = await real_collect(runner, env_id, episodes, **kw)
+        played.append((runner.config.sampling.temperature, kw["group_size"], records))
+        return records
+
+    monkeypatch.setattr(collect_module, "collect", spy)
+    base = [
+        "env.id=reflow/Calc-v0",
+        f"out_dir={tmp_path}",
+        "eval.max_new_tokens=6",
+        "rollout.max_batch_size=8",
+    ]
+    for overrides, (temperature, samples) in (
+        ([], (0.0, 1)),
+        (["eval.temperature=1.0", "eval.samples=4"], (1.0, 4)),
+    ):
+        worker = RolloutWorker(load_config(None, base + overrides), model_dir, replay=None)
+        summary = await worker.evaluate(episodes=3, seed=1_000_000)
+        await worker.close()
+        t, group_size, records = played[-1]
+        assert (t, group_size) == (temperature, samples)
+        assert (summary["tasks"], summary["samples"], summary["temperature"]) == (3, samples, temperature)
+        assert summary["episodes"] == len(records) == 3 * samples
+        assert sorted({r.seed for r in records}) == [1_000_000, 1_000_001, 1_000_002]
+        assert summary["success_rate"] == sum(r.success for r in records) / len(records)

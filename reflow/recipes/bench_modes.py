@@ -77,8 +77,10 @@ def _step_mean(steps: list[dict[str, Any]], key: str) -> float | None:
 
 
 def start_noise(results: list[dict[str, Any]]) -> float:
-    """One standard error of the start's held-out success, sqrt(p (1 - p) / n): a gain below it is one
-    or two problems of the held-out set, not a measured improvement (0 when `episodes` is unknown)."""
+    """One standard error of the start's held-out success, sqrt(p (1 - p) / n) over its n episodes: a
+    gain below it is one or two problems of the held-out set, not a measured improvement (0 when
+    `episodes` is unknown). With sampled evaluation (k episodes per task, the same tasks at every
+    point) n counts every episode: an upper bound of the sampling noise between points."""
     first = [r["evals"][0] for r in results]
     p = statistics.fmean(e["success_rate"] for e in first)
     n = min(e.get("episodes") or 0 for e in first)
@@ -184,8 +186,12 @@ def plot(results: list[dict[str, Any]], out: Path, target: float | None) -> Path
         )
     if target is not None:
         axes[0].axhline(target, color="grey", linestyle="--", linewidth=1, label="target")
+    from reflow.recipes.run_log import eval_kind
+
     axes[0].set(
-        xlabel="training seconds (evaluation excluded)", ylabel="held-out success (greedy)", ylim=(0, 1)
+        xlabel="training seconds (evaluation excluded)",
+        ylabel=f"held-out success ({eval_kind(results[0]['evals'][-1])})",
+        ylim=(0, 1),
     )
     axes[1].set(xlabel="training seconds", ylabel="trained tokens/s (cumulative)")
     for ax in axes:

@@ -79,7 +79,7 @@ class RunLog:
         self.write("eval", record)
         self.console.print(
             f"[bold]held-out[/bold] step {record['step']}: success {record['success_rate']:.3f} "
-            f"({record['episodes']} greedy episodes, {record['wall_s']:.0f}s into the run)"
+            f"({record['episodes']} {eval_kind(record)} episodes, {record['wall_s']:.0f}s into the run)"
         )
 
     def _table(self) -> Table:
@@ -97,6 +97,12 @@ class RunLog:
             self._live.stop()
         if self._tb is not None:
             self._tb.close()
+
+
+def eval_kind(record: dict[str, Any]) -> str:
+    """ "greedy", or "sampled at T t, mean of k per task" for a sampled evaluation record."""
+    t = record.get("temperature") or 0.0
+    return "greedy" if t == 0 else f"sampled at T {t:g}, mean of {record.get('samples', 1)} per task"
 
 
 def read_metrics(run_dir: str | Path, kind: str | None = None) -> list[dict[str, Any]]:
@@ -133,7 +139,10 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(6, 4))
         if evals:
             ax.plot(
-                [e[x_key] for e in evals], [e["success_rate"] for e in evals], "o-", label="held-out (greedy)"
+                [e[x_key] for e in evals],
+                [e["success_rate"] for e in evals],
+                "o-",
+                label=f"held-out ({eval_kind(evals[-1])})",
             )
         if steps:
             ax.plot(

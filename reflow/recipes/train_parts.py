@@ -109,7 +109,8 @@ def checkpoint(pool: ResourcePool, config: RunConfig, state: RunState) -> None:
 
 
 def evaluate(pool: ResourcePool, config: RunConfig, log: RunLog, state: RunState, clock: Clock) -> None:
-    """Greedy held-out success now, or (eval.deferred) a weight snapshot evaluated after the run."""
+    """Held-out success now (greedy, or sampled per `eval.temperature`), or (eval.deferred) a weight
+    snapshot evaluated after the run."""
     if not config.eval.episodes:
         return
     point = {
@@ -137,6 +138,8 @@ def _evaluate_point(
         "success_rate": result["success_rate"],
         "reward_mean": result["reward_mean"],
         "episodes": result["episodes"],
+        "samples": result["samples"],
+        "temperature": result["temperature"],
         "eval_s": result["seconds"],
     }
     state.history.append(record)

@@ -50,11 +50,14 @@ def _threads(config: RunConfig) -> int:
     return max(1, cores // len(config.resources.slots))  # they overlap: split the cores between slots
 
 
-def _sampling(config: RunConfig, greedy: bool = False, max_new_tokens: int | None = None) -> SamplingParams:
+def _sampling(
+    config: RunConfig, temperature: float | None = None, max_new_tokens: int | None = None
+) -> SamplingParams:
+    """The rollout's sampling parameters; `temperature` overrides the rollout's (0: greedy)."""
     r = config.rollout
     return SamplingParams(
         max_new_tokens=max_new_tokens or r.max_new_tokens,
-        temperature=0.0 if greedy else r.temperature,
+        temperature=r.temperature if temperature is None else temperature,
         top_p=r.top_p,
         top_k=r.top_k,
         stop=list(r.stop),
@@ -148,16 +151,30 @@ class RolloutWorker:
         return await push_weights(self.engine, self.config, self.model_path, self.index, state_dict, version)
 
     async def evaluate(self, episodes: int, seed: int) -> dict[str, Any]:
-        """Greedy success on the fixed held-out task set (seeds from `seed`)."""
+        """Success on the fixed held-out task set (task seeds from `seed`): greedy, or with
+        `eval.temperature` > 0 the mean over `eval.samples` sampled episodes per task."""
         from reflow.rollout.collect import collect, summarize
 
-        sampling = _sampling(self.config, greedy=True, max_new_tokens=self.config.eval.max_new_tokens)
+        ev = self.config.eval
+        sampling = _sampling(self.config, temperature=ev.temperature, max_new_tokens=ev.max_new_tokens)
         runner = EpisodeRunner(self.engine, self.tokenizer, RolloutConfig(sampling=sampling))
         start = time.monotonic()
-        kwargs = self.config.eval.env_kwargs
-        env_kwargs = self.config.env.kwargs if kwargs is None else kwargs
-        records = await collect(runner, self.config.env.id, episodes, seed=seed, env_kwargs=env_kwargs)
-        return summarize(records, time.monotonic() - start)
+        env_kwargs = self.config.env.kwargs if ev.env_kwargs is None else ev.env_kwargs
+        records = await collect(
+            runner,
+            self.config.env.id,
+            episodes * ev.samples,
+            group_size=ev.samples,
+            seed=seed,
+            concurrency=self.config.rollout.max_batch_size,
+            env_kwargs=env_kwargs,
+        )
+        return {
+            **summarize(records, time.monotonic() - start),
+            "tasks": episodes,
+            "samples": ev.samples,
+            "temperature": ev.temperature,
+        }
 
     async def weight_version(self) -> int:
         return self.engine.weight_version
