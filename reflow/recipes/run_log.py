@@ -79,7 +79,7 @@ class RunLog:
         self.write("eval", record)
         self.console.print(
             f"[bold]held-out[/bold] step {record['step']}: success {record['success_rate']:.3f} "
-            f"({record['episodes']} {eval_kind(record)} episodes, {record['wall_s']:.0f}s into the run)"
+            f"({record['episodes']} episodes, {eval_kind(record)}; {record['wall_s']:.0f}s into the run)"
         )
 
     def _table(self) -> Table:
@@ -100,9 +100,10 @@ class RunLog:
 
 
 def eval_kind(record: dict[str, Any]) -> str:
-    """ "greedy", or "sampled at T t, mean of k per task" for a sampled evaluation record."""
+    """Which evaluation made `record`: "greedy", or "mean@k at T t" (mean success of k sampled episodes
+    per task)."""
     t = record.get("temperature") or 0.0
-    return "greedy" if t == 0 else f"sampled at T {t:g}, mean of {record.get('samples', 1)} per task"
+    return "greedy" if t == 0 else f"mean@{record.get('samples', 1)} at T {t:g}"
 
 
 def read_metrics(run_dir: str | Path, kind: str | None = None) -> list[dict[str, Any]]:
