@@ -17,10 +17,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from reflow.config import WarmstartSection
 from reflow.env import make, play_episode, scripted_policy
 from reflow.records import Segment
 from reflow.rollout.collect import DEMO_SEED_BASE, evaluate
 from reflow.rollout.episode import EpisodeRunner
+
+DEFAULTS = WarmstartSection()
+"""The warm-start defaults of `agent-train`'s config, shared by `warmstart()` and `reflow warmstart`."""
 
 
 async def demo_rows(
@@ -82,16 +86,16 @@ def warmstart(
     model_name: str,
     out_dir: str | Path,
     *,
-    demos: int = 2000,
-    error_rate: float = 0.05,
-    seconds: float = 360.0,
-    max_steps: int = 1200,
-    lr: float = 1e-2,
-    batch_tokens: int = 2048,
+    demos: int = DEFAULTS.demos,
+    error_rate: float = DEFAULTS.error_rate,
+    seconds: float = DEFAULTS.seconds,
+    max_steps: int = DEFAULTS.max_steps,
+    lr: float = DEFAULTS.lr,
+    batch_tokens: int = DEFAULTS.batch_tokens,
     model_config: dict[str, Any] | None = None,
     demo_env_kwargs: dict[str, Any] | None = None,
     eval_episodes: int = 100,
-    seed: int = 0,
+    seed: int = DEFAULTS.seed,
     log: Any = print,
 ) -> dict[str, Any]:
     import torch
@@ -158,17 +162,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--env", required=True)
     p.add_argument("--model", default="tiny", help="a preset name or a local HF folder")
     p.add_argument("--out", help="output folder (default runs/warmstart-<env>)")
-    p.add_argument("--demos", type=int, default=2000, help="scripted episodes to learn from")
-    p.add_argument("--error-rate", type=float, default=0.05, help="slip probability of the demonstrations")
-    p.add_argument("--seconds", type=float, default=360.0, help="SFT time cap")
+    p.add_argument("--demos", type=int, default=DEFAULTS.demos, help="scripted episodes to learn from")
     p.add_argument(
-        "--max-steps", type=int, default=1200, help="SFT steps (~230 s for the tiny model on 2 idle cores)"
+        "--error-rate", type=float, default=DEFAULTS.error_rate, help="slip probability of the demonstrations"
     )
-    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--seconds", type=float, default=DEFAULTS.seconds, help="SFT time cap")
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=DEFAULTS.max_steps,
+        help="SFT steps (~230 s for the tiny model on 2 idle cores)",
+    )
+    p.add_argument("--lr", type=float, default=DEFAULTS.lr)
     p.add_argument(
         "--batch-tokens",
         type=int,
-        default=2048,
+        default=DEFAULTS.batch_tokens,
         help="padded tokens per step (a shared prompt prefix counts once)",
     )
     p.add_argument(
@@ -185,7 +194,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "`demo_kwargs` (Calc-v0: 1-2-step problems); '{}' for none",
     )
     p.add_argument("--eval-episodes", type=int, default=100)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=DEFAULTS.seed)
     p.set_defaults(fn=cmd_warmstart)
 
 
