@@ -12,8 +12,10 @@ steps/s: the step latency at that load). It checks that no session is lost (ever
 none is left live on the server) and prints the server's RSS at start, after each run, and after the
 first load is played again.
 
+A third client, `ws`, plays the same episodes over OpenEnv's `/ws` protocol (one WebSocket per session).
+
 Usage: python benchmarks/bench_env_server.py [--sessions 64,256] [--seconds 8] [--rate 500]
-       [--clients 2] [--client remote,raw] [--json]
+       [--clients 2] [--client remote,raw,ws] [--json]
 """
 
 from __future__ import annotations
@@ -175,11 +177,51 @@ async def raw_worker(url: str, token: str, stop_at: float, pacer: Pacer, seed: i
         http.close()
 
 
+async def ws_worker(url: str, token: str, stop_at: float, pacer: Pacer, seed: int, out: dict) -> None:
+    """The same episodes over OpenEnv's `/ws` protocol (reflow/server/openenv_ws.py): one WebSocket per
+    session for all its episodes, one frame each way per step."""
+    from websockets.asyncio.client import connect
+
+    local = reflow.make(ENV_ID)
+    ws_url = url.replace("http://", "ws://", 1) + f"/openenv/{ENV_ID}/ws"
+    auth = {"Authorization": f"Bearer {token}"}
+    await pacer.start()
+    async with connect(
+        ws_url, additional_headers=auth, max_size=None, ping_interval=None, open_timeout=120
+    ) as ws:
+        while time.perf_counter() < stop_at:
+            seed += 1000
+            task, rng = local.pick_task(seed), random.Random(seed)
+            await ws.send(json.dumps({"type": "reset", "data": {"seed": seed}}))
+            created = json.loads(await ws.recv())
+            assert created["type"] == "observation", created
+            out["sessions"] += 1
+            history = list(created["data"]["observation"]["messages"])
+            while True:
+                await pacer.wait()
+                turn = parse_assistant(local.demo(task, history, rng, 0.0), tools=local.unwrapped.tools)
+                calls = [{"name": c.name, "arguments": c.arguments, "id": c.id} for c in turn.tool_calls]
+                frame = json.dumps({"type": "step", "data": {"content": turn.content, "tool_calls": calls}})
+                t0 = time.perf_counter()
+                await ws.send(frame)
+                reply = json.loads(await ws.recv())
+                out["latency"].append((t0, time.perf_counter() - t0))
+                assert reply["type"] == "observation", reply
+                data = reply["data"]
+                history += [turn.to_message(), *data["observation"]["messages"]]
+                if data["done"]:
+                    record_end(out, data["metadata"]["status"])
+                    break
+
+
+WORKERS = {"remote": remote_worker, "raw": raw_worker, "ws": ws_worker}
+
+
 async def play(
     kind: str, url: str, token: str, sessions: int, seed0: int, seconds: float, interval_s: float
 ) -> dict:
     out: dict = {"latency": [], "statuses": {}, "sessions": 0}
-    worker = remote_worker if kind == "remote" else raw_worker
+    worker = WORKERS[kind]
     start = time.perf_counter()
     stop_at = start + seconds
     await asyncio.gather(
@@ -253,7 +295,9 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=500.0, help="steps/s all sessions offer in paced runs")
     parser.add_argument("--clients", type=int, default=2, help="load-generating processes")
     parser.add_argument(
-        "--client", default="remote,raw", help="remote (RemoteEnv), raw (plain HTTP), or both"
+        "--client",
+        default="remote,raw",
+        help="comma-separated: remote (RemoteEnv), raw (plain HTTP), ws (OpenEnv's /ws, one socket a session)",
     )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()

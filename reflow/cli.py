@@ -8,16 +8,16 @@ import json
 import sys
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
+from reflow.console import console
 from reflow.env import env_ids, make, play_episode, scripted_policy
 from reflow.env.checker import check_env
 from reflow.env.play import EpisodeResult, Policy, episode_stats, has_demo
 from reflow.env.registration import discovery_errors, spec_kwargs
+from reflow.errors import Parser, UsageError, report
 
 # Piped output (CI logs, files) gets a fixed wide layout instead of the 80-column default.
-console = Console(width=None if sys.stdout.isatty() else 150)
 
 
 def cmd_envs_list(args: argparse.Namespace) -> int:
@@ -37,15 +37,16 @@ def cmd_envs_list(args: argparse.Namespace) -> int:
 
 
 def local_env_ids() -> list[str]:
-    """What `--all` plays: every registered env but clients of an env server (reflow/Remote-v0)."""
-    return [e for e in env_ids() if not spec_kwargs(e)["env_entry_point"].startswith("reflow.server.")]
+    """What `--all` plays: every registered env but clients of an env server (reflow/Remote-v0) and the
+    adapters to other ecosystems' envs (reflow/OpenEnv-v0, reflow/Verifiers-v0): they need a target."""
+    proxies = ("reflow.server.", "reflow.interop.")
+    return [e for e in env_ids() if not spec_kwargs(e)["env_entry_point"].startswith(proxies)]
 
 
 def cmd_envs_check(args: argparse.Namespace) -> int:
     ids = local_env_ids() if args.all else args.env_ids
     if not ids:
-        console.print("[red]give env ids or --all[/red]")
-        return 2
+        raise UsageError("give env ids or --all")
     failed = 0
     for env_id in ids:
         checks = asyncio.run(check_env(env_id, seed=args.seed))
@@ -99,7 +100,7 @@ async def _play(
 ) -> list[EpisodeResult]:
     env = make(env_id)
     if policy_name == "scripted" and not has_demo(env):
-        raise SystemExit(f"{env_id} has no scripted policy; use --policy stdin")
+        raise UsageError(f"{env_id} has no scripted policy; use --policy stdin")
     results = []
     try:
         for i in range(episodes):
@@ -119,8 +120,7 @@ async def _play(
 def cmd_envs_play(args: argparse.Namespace) -> int:
     ids = local_env_ids() if args.all else args.env_ids
     if not ids:
-        console.print("[red]give env ids or --all[/red]")
-        return 2
+        raise UsageError("give env ids or --all")
     table = Table(
         title=f"{args.policy} policy, error rate {args.error_rate}, {args.episodes} episodes per env"
     )
@@ -153,7 +153,7 @@ def cmd_envs_play(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="reflow", description=__doc__)
+    parser = Parser(prog="reflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     envs = sub.add_parser("envs", help="list, check and play registered environments")
@@ -194,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     from reflow.server import cli as server_cli  # `reflow serve-envs` (issue F6)
 
     server_cli.add_parser(sub)
+    from reflow.sim import cli as sim_cli  # `reflow simulate` (issue F8); imports the simulator lazily
+
+    sim_cli.add_parser(sub)
     return parser
 
 
@@ -209,9 +212,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.fn(args)
-    except KeyError as e:  # an unknown env id or parser: one clear line, not a traceback
-        console.print(f"[red]error:[/red] {e.args[0] if e.args else e}")
-        return 2
+    except (Exception, KeyboardInterrupt) as e:  # one line and an exit code (reflow.errors), no traceback
+        if isinstance(e, KeyError) and isinstance(e.args[0] if e.args else None, str) and " " in e.args[0]:
+            e = UsageError(e.args[0])  # the registries' lookups say "no ReFlow env registered as ..."
+        return report(e)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,28 @@ so `train.lr=3e-4`, `warmstart.enabled=false` and `env.kwargs={max_steps: 2}` al
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, get_type_hints
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
+
+# The lower layers' config dataclasses (standard library only: no Ray, no torch): sections hold them or
+# read their defaults, so each default is defined once.
+from reflow.replay.cycle import CycleConfig
+from reflow.sched.elastic import ElasticConfig
+from reflow.sched.tail import TailConfig
+from reflow.sched.tasks import LearnabilityConfig
+from reflow.train.settings import LossConfig, TrainerConfig
 
 
 class ConfigError(ValueError):
@@ -59,6 +76,16 @@ class WarmstartSection(_Section):
     lr: float = Field(1e-2, gt=0)
     batch_tokens: int = Field(2048, gt=0)
     demo_env_kwargs: dict[str, Any] = Field(default_factory=dict, description="a curriculum for the demos")
+    dev_tasks: int = Field(
+        0,
+        ge=0,
+        description="> 0: early stopping on a dev set of this many tasks of the RL env (env.kwargs; seeds "
+        "apart from the demos' and the held-out ones), greedy, every `dev_every` SFT steps",
+    )
+    dev_every: int = Field(200, gt=0, description="SFT steps between dev-set evaluations")
+    patience: int = Field(
+        2, gt=0, description="stop after this many dev evaluations without a better one; keep the best"
+    )
     cache: bool = Field(True, description="reuse a warm-start built earlier with identical settings")
     seed: int = Field(0, description="the warm start's own seed: runs with other RL seeds share it")
 
@@ -70,8 +97,8 @@ class RolloutSection(_Section):
         2, ge=0, description="extra generation rounds when too many groups have zero spread (DAPO)"
     )
     temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="agent-train needs 1 (see RunConfig)")
+    top_k: int = Field(0, ge=0, description="agent-train needs 0 (see RunConfig)")
     stop: list[str] = Field(default_factory=list, description="stop strings ending a turn (besides EOS)")
     max_new_tokens: int = Field(128, gt=0, description="per turn")
     max_context_tokens: int = Field(4096, gt=0)
@@ -81,46 +108,67 @@ class RolloutSection(_Section):
     max_batch_size: int = Field(64, gt=0, description="concurrent sequences per engine")
 
 
-class LossSection(_Section):
-    kind: Literal["decoupled_ppo", "tis"] = "decoupled_ppo"
-    clip_eps: float = Field(0.2, gt=0)
-    clip_eps_high: float = Field(0.28, gt=0)
-    behav_weight_cap: float = Field(5.0, gt=0)
-    tis_cap: float = Field(2.0, gt=0)
-
-
 class TrainSection(_Section):
-    steps: int = Field(100, gt=0)
-    seconds: float | None = Field(None, gt=0, description="wall-clock budget of the RL phase")
-    lr: float = Field(1e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
-    micro_batch_tokens: int = Field(16384, gt=0, description="padded tokens per forward/backward")
+    steps: int = Field(100, gt=0, description="train steps; sync rounds without reward spread count too")
+    seconds: float | None = Field(
+        None, gt=0, description="wall-clock budget of the RL phase: no step starts that would end past it"
+    )
+    # The trainer's own settings: defaults defined once, in reflow.train.settings.TrainerConfig.
+    lr: float = Field(TrainerConfig.lr, gt=0)
+    weight_decay: float = Field(TrainerConfig.weight_decay, ge=0)
+    grad_clip: float = Field(TrainerConfig.grad_clip, gt=0)
+    micro_batch_tokens: int = Field(
+        TrainerConfig.micro_batch_tokens, gt=0, description="padded tokens per forward/backward"
+    )
     minibatches: int = Field(
-        1,
+        TrainerConfig.minibatches,
         ge=1,
         description="optimizer steps per batch, each on a shuffled share of its rows (PPO mini-batches)",
     )
-    epochs: int = Field(1, ge=1, description="passes over the batch's mini-batches (PPO epochs)")
+    epochs: int = Field(
+        TrainerConfig.epochs, ge=1, description="passes over the batch's mini-batches (PPO epochs)"
+    )
     prox_logp: Literal["recompute", "loglinear"] = Field(
-        "recompute",
+        TrainerConfig.prox_logp,
         description="prox log-probs of the updates after the first: recomputed by a no-grad forward, or "
         "interpolated between behaviour and current log-probs by each token's staleness (no forward)",
     )
     advantage_scale: Literal["std", "none"] = "std"
     bf16: bool | None = Field(
-        None,
+        TrainerConfig.bf16,
         description="bf16 autocast of the RL trainer (None: on GPU only; on CPU the engine samples in "
         "fp32 and bf16 log-probs would drift from the engine's)",
     )
-    loss: LossSection = Field(default_factory=LossSection)
+    loss: LossConfig = Field(
+        default_factory=LossConfig, description="the policy loss (reflow.train.settings.LossConfig)"
+    )
+    engine_correction: bool = Field(
+        False,
+        description="sync mode: weight tokens by pi_prox / pi_engine (the engine's recorded log-probs, "
+        "capped or truncated by train.loss) to correct the engine-trainer mismatch, instead of behaviour "
+        "= prox (weight 1); async and reflow always use the engine's log-probs",
+    )
     checkpoint_every: int = Field(5, gt=0)
     keep_checkpoints: int = Field(2, gt=0)
 
 
 class EvalSection(_Section):
     every: int = Field(10, ge=0, description="steps between held-out evaluations (0: only at the ends)")
+    every_s: float | None = Field(
+        None,
+        gt=0,
+        description="seconds of training wall-clock between held-out evaluations, in place of `every` "
+        "(reflow.sched.eval_schedule): a mode with more steps per second is not evaluated more often",
+    )
     episodes: int = Field(100, ge=0, description="held-out tasks per evaluation")
+    pass_at: int = Field(
+        0,
+        ge=0,
+        description="> 0: at the start and the end of RL also measure, on `end_episodes` held-out tasks, "
+        "greedy success, the mean of `pass_at` sampled episodes (rollout temperature), pass@k and the RL "
+        "headroom (what `reflow rollout --eval --pass-at` reports)",
+    )
+    end_episodes: int = Field(300, gt=0, description="held-out tasks of the `pass_at` measurement")
     max_new_tokens: int = Field(128, gt=0)
     temperature: float = Field(
         0.0,
@@ -152,20 +200,37 @@ class EvalSection(_Section):
         return self
 
 
-class ReplaySection(_Section):
-    """Staleness bound of `async` mode and the dual replay cycle of `reflow` mode (DESIGN.md)."""
+@dataclasses.dataclass
+class ReplaySection(CycleConfig):
+    """`replay:`, the staleness bound of the decoupled modes (`eta`, admission control) and the dual
+    replay cycle of `reflow` mode: the fields of `reflow.replay.cycle.CycleConfig`, whose defaults,
+    meanings and checks are defined there, once."""
 
-    eta: int = Field(1, ge=0, description="async/reflow: rollouts run at most eta policy versions ahead")
-    tau_max: int = Field(2, ge=0, description="reflow: replayed groups are at most this many versions old")
-    max_reuse: int = Field(2, ge=1, description="reflow: times a group may be trained on, the first included")
-    share_init: float = Field(0.25, ge=0, le=1, description="reflow: replayed share of a batch at the start")
-    share_min: float = Field(0.0, ge=0, le=1)
-    share_max: float = Field(0.5, ge=0, le=1)
-    share_step: float = Field(0.05, gt=0, le=1)
-    wait_high_s: float = Field(0.5, ge=0, description="trainer wait for data above which the share rises")
-    masked_frac_max: float = Field(0.02, ge=0, le=1, description="IS health bound: share falls above it")
-    kl_max: float = Field(0.05, ge=0, description="IS health bound on behaviour-vs-current KL")
-    prefer_spread: bool = True
+    __pydantic_config__: ClassVar[dict[str, Any]] = {"extra": "forbid"}  # unknown keys are errors
+    eta: int = 1
+    """async/reflow: rollouts run at most eta policy versions ahead of the engines' weights."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.eta < 0:
+            raise ValueError(f"eta (max staleness in policy versions) must be >= 0, got {self.eta}")
+
+    def cycle(self) -> CycleConfig:
+        """The dual cycle's settings alone (every field but `eta`)."""
+        return CycleConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(CycleConfig)})
+
+
+class RolePlacement(_Section):
+    """Where a role's slots go on a Ray cluster: one placement group per role, a bundle per slot."""
+
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray's placement strategy for the role's bundles (SPREAD: across nodes)"
+    )
+    node_resource: str | None = Field(
+        None,
+        description="a custom resource that only the nodes for this role declare (`ray start "
+        "--resources`); each bundle reserves a sliver of it, which pins the role's slots to those nodes",
+    )
 
 
 class ResourcesSection(_Section):
@@ -179,6 +244,12 @@ class ResourcesSection(_Section):
     )
     threads_per_slot: int | None = Field(
         None, gt=0, description="torch threads per actor (None: all cores in sync mode, as phases alternate)"
+    )
+    placement: dict[Literal["rollout", "train"], RolePlacement] = Field(
+        default_factory=dict,
+        description="per role, a placement group (strategy, node resource); empty: no placement groups, "
+        "Ray places each slot's actor where a CPU (GPU) is free. A slot keeps its bundle when its role "
+        "changes (the elastic pool moves roles, not devices)",
     )
 
     @field_validator("slots")
@@ -212,6 +283,62 @@ class EngineSection(_Section):
         return self
 
 
+class _PolicySection(_Section):
+    """A scheduler policy's section: `enabled` plus the fields of the policy's own config dataclass,
+    whose defaults and descriptions are read from that dataclass (each default defined once) and
+    whose values it validates itself."""
+
+    policy_config_class: ClassVar[type]
+    enabled: bool | None = Field(
+        None,
+        description="None: on in mode reflow, off in sync and async; false switches it off for an ablation. "
+        "`agent-train` applies it in the decoupled loop (`reflow.recipes.loop_sched`); the cluster "
+        "simulator drives the same policy object",
+    )
+
+    @model_validator(mode="after")
+    def _policy_accepts(self) -> _PolicySection:
+        self.policy_config()  # the dataclass's own checks; a ValueError names the field
+        return self
+
+    def policy_config(self) -> Any:
+        """The policy's config dataclass with this section's values."""
+        return self.policy_config_class(**self.model_dump(exclude={"enabled"}))
+
+    def active(self, mode: str) -> bool:
+        return self.enabled if self.enabled is not None else mode == "reflow"
+
+
+def _policy_section(name: str, config_class: type, doc: str) -> type[_PolicySection]:
+    hints = get_type_hints(config_class)
+    fields: dict[str, Any] = {
+        f.name: (hints[f.name], Field(f.default, description=f.metadata.get("doc")))
+        for f in dataclasses.fields(config_class)
+    }
+    section = create_model(name, __base__=_PolicySection, __doc__=doc, **fields)
+    section.policy_config_class = config_class
+    return section
+
+
+ElasticSection = _policy_section(
+    "ElasticSection", ElasticConfig, "The elastic pool's policy (sched.elastic)."
+)
+TailSection = _policy_section("TailSection", TailConfig, "The long-tail scheduler's policy (sched.tail).")
+
+
+class TasksSection(_Section):
+    """Which training tasks a round samples (`reflow.sched.tasks`): fresh seeds only, or with
+    `learnability` a share of revisits of tasks whose recent pass rate is strictly between 0 and 1."""
+
+    learnability: bool = Field(False, description="revisit learnable tasks (sync mode)")
+    revisit_share: float = Field(LearnabilityConfig.revisit_share, ge=0, le=1)
+    max_attempts: int = Field(LearnabilityConfig.max_attempts, ge=1)
+    window: int = Field(LearnabilityConfig.window, ge=1)
+
+    def policy_config(self) -> LearnabilityConfig:
+        return LearnabilityConfig(**self.model_dump(exclude={"learnability"}))
+
+
 class RunConfig(_Section):
     run_name: str = "run"
     mode: Literal["sync", "async", "reflow"] = Field(
@@ -228,9 +355,12 @@ class RunConfig(_Section):
     rollout: RolloutSection = Field(default_factory=RolloutSection)
     train: TrainSection = Field(default_factory=TrainSection)
     eval: EvalSection = Field(default_factory=EvalSection)
-    replay: ReplaySection = Field(default_factory=ReplaySection)
+    replay: ReplaySection = Field(default_factory=ReplaySection)  # type: ignore[arg-type]
     resources: ResourcesSection = Field(default_factory=ResourcesSection)
     engine: EngineSection = Field(default_factory=EngineSection)
+    elastic: ElasticSection = Field(default_factory=ElasticSection)  # type: ignore[valid-type]
+    tail: TailSection = Field(default_factory=TailSection)  # type: ignore[valid-type]
+    tasks: TasksSection = Field(default_factory=TasksSection)
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
@@ -238,9 +368,17 @@ class RunConfig(_Section):
     def _consistent(self) -> RunConfig:
         if self.rollout.max_new_tokens > self.rollout.max_context_tokens:
             raise ValueError("rollout.max_new_tokens cannot exceed rollout.max_context_tokens")
-        r = self.replay
-        if not r.share_min <= r.share_init <= r.share_max:
-            raise ValueError("replay shares must satisfy share_min <= share_init <= share_max")
+        if self.rollout.top_p < 1.0 or self.rollout.top_k > 0:
+            # Engines record log-probs of the untruncated tempered distribution, which the trainer
+            # recomputes; under a top-p/top-k filter tokens are drawn from another distribution, and
+            # every importance weight would be off by the nucleus mass.
+            raise ValueError(
+                "rollout.top_p must be 1 and rollout.top_k 0 for training: the behaviour log-probs are "
+                "of the untruncated distribution (use temperature to sharpen sampling)"
+            )
+        if self.tasks.learnability and self.mode != "sync":
+            # the decoupled loops draw one task seed per group: a share of one seed is no revisit
+            raise ValueError("tasks.learnability applies to mode sync only (rounds of several task seeds)")
         return self
 
     @property
@@ -277,7 +415,7 @@ def _describe(error: ValidationError) -> str:
     lines = []
     for err in error.errors():
         key = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        if err["type"] == "extra_forbidden":
+        if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):  # a model's / a dataclass's
             lines.append(f"  {key}: unknown key")
         elif err["type"] == "missing":
             lines.append(f"  {key}: missing (required)")

@@ -7,7 +7,13 @@ import random
 
 from reflow.env import AssistantTurn, Env, Observation, StepResult, Task, Tool, ToolEnv
 
-BUILTIN_ENVS = ["reflow/Calc-v0", "reflow/Guess-v0", "reflow/Math-v0", "reflow/PyCode-v0"]
+BUILTIN_ENVS = [
+    "reflow/Calc-v0",
+    "reflow/Guess-v0",
+    "reflow/LongTail-v0",
+    "reflow/Math-v0",
+    "reflow/PyCode-v0",
+]
 
 TEST_ENVS = {
     "test/Crashy-v0": ("fake_envs:CrashyEnv", {}),

@@ -9,11 +9,14 @@ from reflow.train.batch import shard_rows
 from reflow.train.trainer import PolicyTrainer, TrainerConfig, init_distributed
 
 
-def main(rank: int, world: int, port: int, out: str) -> None:
+def main(
+    rank: int, world: int, port: int, out: str, n_rows: int = 8, micro_batch_tokens: int = 16384
+) -> None:
     torch.set_num_threads(1)
     init_distributed(rank, world, "127.0.0.1", port, "gloo")
-    trainer = PolicyTrainer(_model(), 0, TrainerConfig(lr=1e-2, bf16=False))
-    rows = shard_rows(_rows(8), world)[rank]
+    config = TrainerConfig(lr=1e-2, bf16=False, micro_batch_tokens=micro_batch_tokens)
+    trainer = PolicyTrainer(_model(), 0, config)
+    rows = shard_rows(_rows(n_rows + n_rows % 2)[:n_rows], world)[rank]
     grads = {}
     step = trainer.optimizer.step
 
@@ -30,4 +33,4 @@ def main(rank: int, world: int, port: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], *map(int, sys.argv[5:]))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_helpers import PARITY_ENV, SMALL_ROLLOUT, TINY_MODEL
 
 from reflow.config import load_config
 from reflow.replay import ReplayStore
@@ -24,17 +25,9 @@ pytestmark = pytest.mark.slow
 
 # A tiny model and the parity env (reward spread without a warm start): seconds per step.
 BASE = [
-    "env.plugins=[fake_envs:register_test_envs]",
-    "env.id=test/Parity-v0",
-    "model=tiny",
-    "model_overrides={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 2, "
-    "num_key_value_heads: 1, head_dim: 16}",
-    "warmstart.enabled=false",
-    "rollout.group_size=4",
-    "rollout.groups_per_step=2",
-    "rollout.max_new_tokens=8",
-    "rollout.stop=[e, a, o]",  # an untrained model's replies end early, at varied lengths
-    "rollout.max_batch_size=16",
+    *PARITY_ENV,
+    *TINY_MODEL,
+    *SMALL_ROLLOUT,
     "train.lr=1e-2",
     "train.checkpoint_every=1",
     "eval.every=2",
@@ -210,3 +203,31 @@ def test_async_and_reflow_modes_on_ray(tmp_path, ray_env, mode):
         assert "replay_share" in steps[-1]
         assert all(0.0 <= s["replay_share"] <= 0.75 for s in steps)
         assert max(hist) <= 2  # reuse cap K = 2
+
+
+def test_a_round_without_reward_spread_is_not_a_step(tmp_path, ray_env):
+    """Every group gets the same reward (the echo env never ends, so every episode is truncated at 0):
+    nothing to learn from. The round is counted apart (`steps_no_signal`): no step is taken, the
+    weights and version stay, and the run logs no `train s 0.0` step."""
+    from reflow.recipes.agent_train import train
+
+    overrides = [
+        *BASE,
+        "env.id=test/Echo-v0",
+        "rollout.max_turns=1",
+        "rollout.max_resample_rounds=0",
+        "eval.every=0",
+        "eval.episodes=2",
+        f"out_dir={tmp_path}",
+        "run_name=flat",
+        "train.steps=2",
+    ]
+    summary = train(load_config(None, overrides))
+    run_dir = tmp_path / "flat"
+    assert summary["steps"] == 0 and summary["steps_no_signal"] == 2
+    assert _steps(run_dir) == []
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    skipped = [r for r in records if r["kind"] == "no_signal"]
+    assert [r["steps_no_signal"] for r in skipped] == [1, 2] and all(r["step"] == 0 for r in skipped)
+    with ReplayStore(run_dir / "replay.sqlite", "flat") as store:  # every group retired, none trained
+        assert store.count(consumed=False) == 0 and store.reuse_histogram(spread=True) == {}

@@ -2,7 +2,7 @@
 
 import pytest
 
-from reflow.recipes.bench_modes import default_target, plot, start_noise, table
+from reflow.recipes.bench_modes import default_target, plot, start_noise, table, variants
 
 
 def _run(mode, seed, successes, dt=10.0, reuse=None):
@@ -69,3 +69,49 @@ def test_default_target_is_above_the_start_and_its_noise_or_not_measured(tmp_pat
     for r in small:
         r["evals"][0]["episodes"] = 10_000  # the same gains on 10,000 problems are real (se 0.004)
     assert default_target(small) == 0.218
+
+
+def test_ablation_rows_run_reflow_with_parts_off_and_show_role_changes_and_tail_actions(tmp_path):
+    assert [name for name, _, _ in variants(False)] == ["sync", "async", "reflow"]
+    rows = variants(True)
+    assert [(name, mode) for name, mode, _ in rows[3:]] == [
+        ("reflow-static", "reflow"),
+        ("reflow-no-tail", "reflow"),
+    ]
+    assert dict((name, extra) for name, _, extra in rows)["reflow-static"] == [
+        "elastic.enabled=false",
+        "tail.enabled=false",
+    ]
+    assert dict((name, extra) for name, _, extra in rows)["reflow-no-tail"] == ["tail.enabled=false"]
+
+    def counted(mode, seed, changes, cost, over, carried):
+        run = _run(mode, seed, [0.1, 0.3])
+        run["summary"].update(
+            role_changes=changes,
+            role_change_s=cost,
+            tail_over_provisioned=over,
+            tail_carried_over=carried,
+            tail_migrations=0,
+        )
+        return run
+
+    results = [
+        _run("sync", 0, [0.1, 0.3]),  # a summary from before the counters: shown as 0
+        counted("reflow", 0, 2, 3.0, 4, 10),
+        counted("reflow", 1, 4, 5.0, 6, 14),
+        counted("reflow-static", 0, 0, 0.0, 0, 0),
+        counted("reflow-no-tail", 0, 1, 2.5, 0, 0),
+    ]
+    md = table(results, target=0.2, budget_minutes=1)
+    lines = [line for line in md.splitlines() if line.startswith("| ")]
+    assert lines[0].endswith(
+        "| role changes | role change s | over-provisioned | carried over | migrations |"
+    )
+    names = [line.split(" | ")[0].strip("| ") for line in lines[2:]]
+    assert names == ["sync", "reflow", "reflow-static", "reflow-no-tail"]  # the table's order
+    cells = {n: line.strip("| ").split(" | ") for n, line in zip(names, lines[2:], strict=True)}
+    assert all(len(c) == 20 for c in cells.values())
+    assert cells["reflow"][-5:] == ["3 ± 1.41", "4 ± 1.41", "5 ± 1.41", "12 ± 2.83", "0 ± 0"]
+    assert cells["reflow-no-tail"][-5:] == ["1 ± 0", "2.5 ± 0", "0 ± 0", "0 ± 0", "0 ± 0"]
+    assert cells["sync"][-5:] == ["0 ± 0"] * 5
+    assert plot(results, tmp_path, 0.2).stat().st_size > 1000

@@ -22,8 +22,10 @@ def test_all_four_builtin_envs_are_registered():
     from reflow.env.registration import discovery_errors
 
     assert discovery_errors == []
-    # reflow/Remote-v0 is registered too: the client of an env server (reflow serve-envs), not an env.
-    assert [e for e in env_ids() if e.startswith("reflow/")] == sorted([*BUILTIN_ENVS, "reflow/Remote-v0"])
+    # reflow/Remote-v0 is registered too: the client of an env server (reflow serve-envs), not an env;
+    # so are the adapters to OpenEnv servers and verifiers envs.
+    proxies = ["reflow/OpenEnv-v0", "reflow/Remote-v0", "reflow/Verifiers-v0"]
+    assert [e for e in env_ids() if e.startswith("reflow/")] == sorted([*BUILTIN_ENVS, *proxies])
 
 
 @pytest.mark.parametrize("env_id", BUILTIN_ENVS)
@@ -76,6 +78,66 @@ def test_calc_episode_lengths_have_a_long_tail():
     results = asyncio.run(_success("reflow/Calc-v0", 0.0, n=200))
     turns = Counter(r.turns for r in results)
     assert min(turns) == 2 and max(turns) == 7  # n calculator calls + the answer
+
+
+def _quantile(values, q):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _generated_chars(result):
+    # what the policy wrote: answer text plus each tool call's name and arguments
+    calls = [c["function"] for m in result.messages for c in m.get("tool_calls") or []]
+    said = sum(len(m["content"]) for m in result.messages if m["role"] == "assistant")
+    return said + sum(len(c["name"]) + len(c["arguments"]) for c in calls)
+
+
+def test_longtail_episode_lengths_are_heavy_tailed_and_the_scripted_policy_solves_every_task():
+    results = asyncio.run(_success("reflow/LongTail-v0", 0.0, n=1000))
+    assert all(r.success and r.status == "ok" for r in results)
+    turns = [r.turns for r in results]  # k lookups + the answer
+    p50, p99 = _quantile(turns, 0.5), _quantile(turns, 0.99)
+    assert p50 <= 4 and p99 >= 30 and p99 / p50 >= 10, (p50, p99)
+    chars = [_generated_chars(r) for r in results]
+    assert _quantile(chars, 0.99) / _quantile(chars, 0.5) >= 10
+    assert max(turns) <= 65
+
+
+def test_longtail_kwargs_bound_the_trail_and_are_checked():
+    env = reflow.make("reflow/LongTail-v0", min_hops=3, max_hops=5)
+    hops = Counter(len(env.generate_task(random.Random(s))["trail"]) for s in range(300))
+    assert set(hops) == {3, 4, 5} and hops[3] > hops[5]
+    light = reflow.make("reflow/LongTail-v0", exponent=3.0)
+    heavy = reflow.make("reflow/LongTail-v0", exponent=1.0)
+    mean = lambda e: sum(len(e.generate_task(random.Random(s))["trail"]) for s in range(300)) / 300  # noqa: E731
+    assert mean(heavy) > 2 * mean(light)
+    with pytest.raises(ValueError, match="min_hops"):
+        reflow.make("reflow/LongTail-v0", min_hops=9, max_hops=2)
+    with pytest.raises(ValueError, match="exponent"):
+        reflow.make("reflow/LongTail-v0", exponent=0)
+
+
+async def test_longtail_lookup_walks_the_trail_and_refuses_unknown_keys():
+    from reflow.env import format_hermes_call, parse_assistant
+
+    env = reflow.make("reflow/LongTail-v0")
+    task = {"id": "t", "trail": ["abcd", "efgh"], "answer": 42}
+    obs = await env.reset(task=task)
+    assert "starts at key abcd" in obs.messages[-1]["content"]
+
+    async def lookup(key):
+        turn = parse_assistant(format_hermes_call("lookup", {"key": key}), tools=env.unwrapped.tools)
+        return (await env.step(turn)).messages[0]["content"]
+
+    assert await lookup("zzzz") == "Error: no entry for key 'zzzz'"
+    assert await lookup("abcd") == "next key: efgh"
+    assert await lookup("efgh") == "value: 42"
+    done = await env.step(parse_assistant("\\boxed{42}"))
+    assert (done.reward, done.info["success"], done.info["reward_components"]["hops_done"]) == (
+        1.0,
+        True,
+        1.0,
+    )
 
 
 def test_calc_step_range_selects_a_curriculum_and_rejects_bad_ranges():

@@ -63,6 +63,16 @@ def test_round_trip_through_yaml(tmp_path):
         (["env.id=reflow/Calc-v0", "engine.urls=[http://a:1]"], "apply to engine.kind: sglang only"),
         (["env.id=reflow/Calc-v0", "engine.kind=vllm"], "engine.kind"),
         (["env.id=reflow/Calc-v0", "eval.samples=4"], "samples > 1 needs temperature > 0"),
+        (["env.id=reflow/Calc-v0", "rollout.top_p=0.9"], "rollout.top_p must be 1"),
+        (["env.id=reflow/Calc-v0", "rollout.top_k=20"], "rollout.top_k 0 for training"),
+        (["env.id=reflow/Calc-v0", "replay.ess_min=1.5"], "ess_min must be within [0, 1]"),
+        (["env.id=reflow/Calc-v0", "replay.bogus=1"], "replay.bogus: unknown key"),
+        (["env.id=reflow/Calc-v0", "replay.eta=-1"], "eta (max staleness"),
+        (
+            ["env.id=reflow/Calc-v0", "train.loss.agg=seq_mean_token_mean", "train.loss.nope=1"],
+            "train.loss.nope: unknown key",
+        ),
+        (["env.id=reflow/Calc-v0", "train.loss.clip_eps=1.5"], "clip_eps"),
     ],
 )
 def test_bad_configs_name_the_key(overrides, message):
@@ -96,8 +106,8 @@ def test_agent_train_refuses_to_clobber_an_existing_run(tmp_path, capsys):
     (run / "metrics.jsonl").write_text("{}\n")
     args = ["agent-train", "env.id=reflow/Calc-v0", f"out_dir={tmp_path}", "run_name=r"]
     assert main(args) == 2
-    assert "--resume" in capsys.readouterr().out
+    assert "--resume" in capsys.readouterr().err
     assert (run / "metrics.jsonl").exists()
     assert main(["agent-train", "--resume", str(tmp_path / "nothing")]) == 2
-    assert "no run to resume" in capsys.readouterr().out
+    assert "no run to resume" in capsys.readouterr().err
     assert main(["agent-train", "--config", str(tmp_path / "missing.yaml")]) == 2

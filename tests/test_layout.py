@@ -67,6 +67,11 @@ FORBIDDEN = {
     "rollout": {"train", "replay", "recipes", "server", "sched"},
     "train": {"env", "engine", "recipes", "server", "sandbox", "sched"},
     "sched": {"recipes"},
+    # the adapters to OpenEnv and verifiers envs are envs: they lean on the env API only
+    "interop": {"engine", "rollout", "replay", "train", "recipes", "models", "sandbox", "server", "sched"},
+    # the cluster simulator drives the pure policies (replay.cycle, sched.elastic / sched.tail) and
+    # nothing that needs a device, a model or an environment
+    "sim": {"env", "engine", "rollout", "train", "recipes", "sandbox", "server", "models"},
 }
 
 
@@ -87,6 +92,45 @@ def test_layers_respect_the_dependency_rules():
         for path in (ROOT / "reflow" / layer).rglob("*.py"):
             bad = _reflow_imports(path) & forbidden
             assert not bad, f"{path.relative_to(ROOT)} imports reflow.{sorted(bad)}"
+
+
+# Policies are plain objects (DESIGN.md, "Elastic pool and adaptive scheduler"): no Ray, no clock,
+# no event loop, no I/O, no randomness in the file itself; the drivers (Ray runtime, simulator) bring those.
+POLICY_FILES = {
+    "reflow/sched/elastic.py": {"ray", "time", "asyncio", "os", "socket", "random", "threading"},
+    "reflow/sched/tail.py": {"ray", "time", "asyncio", "os", "socket", "random", "threading"},
+    # cycle.py's functions query a ReplayStore passed in; the file itself imports no clock or I/O.
+    "reflow/replay/cycle.py": {"ray", "time", "asyncio", "os", "socket"},
+}
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+    return names
+
+
+def test_policies_import_no_runtime_clock_or_io():
+    for rel, forbidden in POLICY_FILES.items():
+        bad = _top_level_imports(ROOT / rel) & forbidden
+        assert not bad, f"{rel} imports {sorted(bad)}"
+    # the scheduler policies need nothing beyond the standard library and the metric definitions
+    for rel in ("reflow/sched/elastic.py", "reflow/sched/tail.py"):
+        assert _top_level_imports(ROOT / rel) <= set(sys.stdlib_module_names) | {"__future__", "reflow"}, rel
+        assert _reflow_imports(ROOT / rel) <= {"metrics"}, rel
+    assert _top_level_imports(ROOT / "reflow" / "metrics.py") <= set(sys.stdlib_module_names) | {"__future__"}
+
+
+def test_only_the_entry_point_imports_the_cli():
+    # `reflow.cli` imports the recipes to register their commands: a recipe importing it back (for the
+    # console, say) closes an import circle. The shared console lives in `reflow.console`.
+    for path in (ROOT / "reflow").rglob("*.py"):
+        if path != ROOT / "reflow" / "cli.py":
+            assert "cli" not in _reflow_imports(path), f"{path.relative_to(ROOT)} imports reflow.cli"
 
 
 def test_builtin_envs_import_only_the_public_env_api():

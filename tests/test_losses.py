@@ -8,7 +8,7 @@ from engine_helpers import small_qwen3
 
 from reflow.records import Segment
 from reflow.train.logprobs import logprobs_from_logits, pad_segments, token_logprobs
-from reflow.train.losses import LossConfig, masked_mean, policy_loss
+from reflow.train.losses import LossConfig, engine_gap_stats, masked_mean, policy_loss
 
 LN = math.log
 
@@ -338,3 +338,19 @@ def test_segments_to_loss_end_to_end(tiny_model):
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in tiny_model.parameters())
     assert masked_mean(ent, loss_mask).item() > 0
     tiny_model.zero_grad(set_to_none=True)
+
+
+def test_engine_gap_stats_by_hand():
+    # prox 0.5 and the engine 0.25 on two tokens, the third off the mask (garbage must not leak)
+    prox = torch.tensor([[LN(0.5), LN(0.5), 0.0]])
+    engine = torch.tensor([[LN(0.25), LN(0.25), -1e9]])
+    mask = torch.tensor([[1, 1, 0]])
+    g = engine_gap_stats(prox, engine, mask)
+    d = LN(0.25) - LN(0.5)
+    assert g["engine_kl_sum"].item() == pytest.approx(2 * (math.exp(d) - 1 - d), rel=1e-5)
+    assert g["engine_gap_max"].item() == pytest.approx(LN(2.0), rel=1e-5)
+    assert (g["w_sum"].item(), g["w_sq_sum"].item(), g["n"].item()) == pytest.approx((4.0, 8.0, 2.0))
+    # weights 1 and 3: ESS = (1 + 3)^2 / (2 * (1 + 9)) = 0.8
+    g = engine_gap_stats(torch.tensor([[0.0, LN(3.0)]]), torch.tensor([[0.0, 0.0]]), torch.tensor([[1, 1]]))
+    ess = g["w_sum"].item() ** 2 / (g["n"].item() * g["w_sq_sum"].item())
+    assert ess == pytest.approx(0.8, rel=1e-5)

@@ -81,9 +81,10 @@ def test_rollout_pass_at_k_reports_the_rl_headroom_on_the_held_out_tasks(small_m
         capture_output=True,
         text=True,
     )
-    assert grouped.returncode == 2 and "one greedy episode per held-out task" in grouped.stdout
+    assert grouped.returncode == 2 and "one greedy episode per held-out task" in grouped.stderr
     bad = subprocess.run([REFLOW, "rollout", *common, "--pass-at", "2"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "--pass-at K needs --eval" in bad.stdout
+    assert bad.returncode == 2 and bad.stderr.startswith("reflow: error: --pass-at K needs --eval")
+    assert "Traceback" not in bad.stderr and len(bad.stderr.splitlines()) == 1
 
 
 @pytest.mark.slow

@@ -47,15 +47,15 @@ def test_inspect_prints_tables(run_dir, capsys):
 
 def test_inspect_errors(run_dir, tmp_path, capsys):
     assert main(["replay", "inspect", "nope"]) == 2
-    assert "no replay store" in capsys.readouterr().out
+    assert "no replay store" in capsys.readouterr().err
     (tmp_path / "junk.sqlite").write_text("not a database")
     assert main(["replay", "inspect", str(tmp_path / "junk.sqlite")]) == 2
-    assert "not a replay store" in capsys.readouterr().out
+    assert "not a replay store" in capsys.readouterr().err
     for name in ("x", "y"):
         with ReplayStore(tmp_path / "multi" / "replay.sqlite", run=name) as s:
             s.add_group(*make_group("z", [1.0]))
     assert main(["replay", "inspect", str(tmp_path / "multi"), "--json"]) == 2  # two runs, neither "multi"
-    assert "--run-name" in capsys.readouterr().out
+    assert "--run-name" in capsys.readouterr().err
     assert main(["replay", "inspect", str(tmp_path / "multi"), "--run-name", "y", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["run"] == "y"
     with ReplayStore(run_dir / "replay.sqlite", run="exp2") as s:

@@ -344,6 +344,14 @@ def test_share_moves_down_when_importance_weights_degrade_even_while_waiting(mas
     assert share.history == [(1, 0.05), (2, 0.0), (3, 0.0)] and share.last_reason == "health"
 
 
+@pytest.mark.parametrize("ess, reason", [(0.3, "health"), (math.nan, "health"), (0.6, "wait")])
+def test_share_falls_when_the_effective_sample_size_drops_below_its_floor(ess, reason):
+    share = ReplayShare(CycleConfig(share_init=0.2, share_step=0.05, ess_min=0.5))
+    share.update(1, trainer_wait_s=5.0, masked_frac=0.0, kl=0.0, ess=ess)
+    assert share.last_reason == reason
+    assert share.share == (0.15 if reason == "health" else 0.25)
+
+
 def test_share_state_round_trips_and_a_zero_step_keeps_it_fixed():
     cfg = CycleConfig(share_init=0.2, share_step=0.0)
     share = ReplayShare(cfg)
@@ -371,6 +379,7 @@ def test_share_state_round_trips_and_a_zero_step_keeps_it_fixed():
         ({"share_min": -0.1}, "0 <= share_min"),
         ({"share_step": -0.1}, "share_step"),
         ({"kl_max": math.nan}, "kl_max"),
+        ({"ess_min": -0.5}, "ess_min"),
     ],
 )
 def test_config_validation(kwargs, message):

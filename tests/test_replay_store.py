@@ -266,3 +266,17 @@ def test_acknowledged_groups_survive_kill_9(tmp_path):
         with closing(sqlite3.connect(db)) as raw:  # no orphan episode rows from a cut-off transaction
             (n_rows,) = raw.execute("SELECT COUNT(*) FROM episodes").fetchone()
         assert n_rows == sum(len(g.episodes) for g in stored)
+
+
+def test_groups_and_group_sizes_read_several_groups_at_once(store):
+    for gid, tokens in (("a", 4), ("b", 8), ("c", 2)):
+        episodes, adv = make_group(gid, [0.0, 1.0, 1.0], tokens=tokens, n_turns=2)
+        store.add_group(episodes, adv)
+    assert [g.group_id for g in store.groups(["c", "a", "c"])] == ["c", "a", "c"]  # the order asked
+    assert [len(g.episodes) for g in store.groups(["b"])] == [3]
+    # 3 episodes x 2 turns x tokens: from the index columns, no record decoded
+    assert store.group_sizes(["a", "b", "c"]) == {"a": 24, "b": 48, "c": 12}
+    with pytest.raises(KeyError, match="'zz'"):
+        store.groups(["a", "zz"])
+    with pytest.raises(KeyError, match="'zz'"):
+        store.group_sizes(["zz"])

@@ -19,22 +19,23 @@ from reflow.server.schemas import TRANSITIONS, InvalidTransition, check_transiti
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 1"}}</tool_call>'
 
 
-def test_serve_envs_refuses_to_start_open_to_the_network(tmp_path, monkeypatch):
+def test_serve_envs_refuses_to_start_open_to_the_network(tmp_path, monkeypatch, capsys):
     from reflow.server.cli import main
 
+    def refused(argv: list[str], text: str) -> None:  # a usage error: exit code 2, one line on stderr
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("reflow: error: ") and text in err and err.count("\n") == 1, err
+
     monkeypatch.delenv("REFLOW_SERVER_TOKEN", raising=False)
-    with pytest.raises(SystemExit, match="no token"):
-        main(["--port", "0"])
-    with pytest.raises(SystemExit, match="only on a loopback host"):
-        main(["--no-auth", "--host", "0.0.0.0"])
+    refused(["--port", "0"], "no token")
+    refused(["--no-auth", "--host", "0.0.0.0"], "only on a loopback host")
     short = tmp_path / "short"
     short.write_text("abc")
     short.chmod(0o600)
-    with pytest.raises(ValueError, match="at least 16 characters"):
-        main(["--token-file", str(short)])
+    refused(["--token-file", str(short)], "at least 16 characters")
     monkeypatch.setenv("REFLOW_SERVER_TOKEN", "too short")
-    with pytest.raises(ValueError, match="at least 16"):
-        main(["--port", "0"])
+    refused(["--port", "0"], "at least 16")
 
 
 def test_the_state_table_allows_only_its_moves():

@@ -8,7 +8,7 @@ from engine_helpers import small_qwen3
 
 from reflow.records import EpisodeRecord, Segment
 from reflow.replay import StoredGroup
-from reflow.train.batch import rows_from_groups, shard_rows
+from reflow.train.batch import rows_from_groups, shard_groups, shard_rows
 from reflow.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from reflow.train.trainer import PolicyTrainer, TrainerConfig, TrainRow
 
@@ -49,6 +49,33 @@ def test_sync_mode_weight_is_one_and_nothing_is_masked():
     assert trainer.version == 1
     after = _weights(trainer.model)
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_the_engine_trainer_gap_is_reported_in_sync_mode_and_corrected_on_request():
+    from reflow.train.logprobs import pad_segments, token_logprobs
+
+    rows = _rows()  # the "engine" recorded log-prob -1.0 for every sampled token
+    sync = PolicyTrainer(_model(), 0, TrainerConfig(behaviour_is_prox=True, bf16=False))
+    m = sync.train_step(rows)
+    assert m["w_mean"] == pytest.approx(1.0)  # behaviour = prox: the gap is not corrected ...
+    assert m["engine_kl"] > 0.1 and m["engine_gap_max"] > 0.5 and m["is_ess"] < 0.999  # ... shown
+    corrected = PolicyTrainer(_model(), 0, TrainerConfig(behaviour_is_prox=False, bf16=False))
+    assert corrected.train_step(_rows())["w_mean"] != pytest.approx(1.0, abs=1e-3)
+
+    # An engine that agrees with the trainer: no gap, every weight 1, ESS 1.
+    model = _model()
+    agreeing = _rows()
+    for row in agreeing:
+        seg = row.segment
+        ids, attn, mask, _, _ = pad_segments([seg], 0)
+        with torch.no_grad():
+            logp, _ = token_logprobs(model, ids, attn, entropy="none")
+        seg.logprobs = [
+            float(lp) if m else x for lp, m, x in zip(logp[0], mask[0], seg.logprobs, strict=True)
+        ]
+    m = PolicyTrainer(model, 0, TrainerConfig(behaviour_is_prox=True, bf16=False)).train_step(agreeing)
+    assert m["engine_kl"] == pytest.approx(0.0, abs=1e-6) and m["is_ess"] == pytest.approx(1.0, abs=1e-6)
+    assert m["engine_gap_max"] < 1e-4
 
 
 def test_minibatches_and_epochs_take_one_optimizer_step_each_against_the_pre_update_prox():
@@ -264,6 +291,14 @@ def test_shard_rows_balances_tokens_and_keeps_every_row():
     assert max(loads) - min(loads) <= max(len(r.segment.token_ids) for r in rows)
 
 
+def test_shard_groups_by_hand():
+    # largest first to the lightest rank, ties by position: 9 -> r0, 7 -> r1, 5 -> r1 (7 < 9), 3 -> r0
+    assert shard_groups([3, 9, 5, 7], 2) == [[0, 1], [2, 3]]
+    assert shard_groups([4, 4, 4], 2) == [[0, 2], [1]]
+    assert shard_groups([1], 3) == [[0], [], []]  # a rank may get nothing (it trains a dummy row)
+    assert shard_groups([], 2) == [[], []]
+
+
 def test_checkpoint_round_trip_restores_weights_optimizer_step_and_rng(tmp_path):
     trainer = PolicyTrainer(_model(), 0, TrainerConfig(lr=1e-2, bf16=False))
     trainer.train_step(_rows())
@@ -282,6 +317,22 @@ def test_checkpoint_round_trip_restores_weights_optimizer_step_and_rng(tmp_path)
         assert torch.allclose(v, expected_weights[k], atol=1e-6), k
 
 
+def test_checkpoint_optimizer_state_is_keyed_by_name_and_an_index_keyed_one_still_loads(tmp_path):
+    # Keyed by parameter name, the state loads into a trainer group of any size (FSDP2 ranks come
+    # and go with elastic role changes); checkpoints written before keyed it by index.
+    trainer = PolicyTrainer(_model(), 0, TrainerConfig(lr=1e-2, bf16=False))
+    trainer.train_step(_rows())
+    path = save_checkpoint(tmp_path, trainer)
+    saved = torch.load(path / "optimizer.pt", weights_only=False)
+    assert set(saved["state"]) == {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    torch.save(trainer.optimizer.state_dict(), path / "optimizer.pt")  # the old, index-keyed format
+    expected = trainer.train_step(_rows(seed=3))
+    old = PolicyTrainer(_model(seed=9), 0, TrainerConfig(lr=1e-2, bf16=False))
+    load_checkpoint(path, old)
+    assert old.train_step(_rows(seed=3))["loss"] == pytest.approx(expected["loss"], abs=1e-6)
+    assert old.optimizer.state_dict()["state"][0]["step"] == 2
+
+
 def test_checkpoints_are_pruned_and_half_written_ones_ignored(tmp_path):
     trainer = PolicyTrainer(_model(), 0, TrainerConfig(bf16=False))
     for _ in range(3):
@@ -294,8 +345,15 @@ def test_checkpoints_are_pruned_and_half_written_ones_ignored(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp2_two_ranks_match_one_rank(tmp_path):
-    """Two gloo ranks with the model sharded by fully_shard take the same step as one rank."""
+@pytest.mark.parametrize(
+    "n_rows, micro_batch_tokens",
+    [(8, 16384), (5, 1), (1, 16384)],
+    ids=["balanced", "unequal-micro-batches", "a-rank-without-rows"],
+)
+def test_fsdp2_two_ranks_match_one_rank(tmp_path, n_rows, micro_batch_tokens):
+    """Two gloo ranks with the model sharded by fully_shard take the same step as one rank, also when
+    their shares pack into different numbers of micro-batches or one rank has no row at all (each
+    forward is a collective: unequal counts used to hang the group)."""
     import socket
     import subprocess
     import sys
@@ -306,16 +364,21 @@ def test_fsdp2_two_ranks_match_one_rank(tmp_path):
         port = s.getsockname()[1]
     out = tmp_path / "fsdp.pt"
     tests = Path(__file__).parent
+    args = [str(port), str(out), str(n_rows), str(micro_batch_tokens)]
     procs = [
-        subprocess.Popen(
-            [sys.executable, str(tests / "fsdp_worker.py"), str(rank), "2", str(port), str(out)], cwd=tests
-        )
+        subprocess.Popen([sys.executable, str(tests / "fsdp_worker.py"), str(rank), "2", *args], cwd=tests)
         for rank in range(2)
     ]
-    assert [p.wait(timeout=180) for p in procs] == [0, 0]
+    try:
+        assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            p.kill()
     sharded = torch.load(out, weights_only=False)
 
-    single = PolicyTrainer(_model(), 0, TrainerConfig(lr=1e-2, bf16=False))
+    single = PolicyTrainer(
+        _model(), 0, TrainerConfig(lr=1e-2, bf16=False, micro_batch_tokens=micro_batch_tokens)
+    )
     grads = {}
     step = single.optimizer.step
 
@@ -324,7 +387,7 @@ def test_fsdp2_two_ranks_match_one_rank(tmp_path):
         return step(*args, **kwargs)
 
     single.optimizer.step = capture
-    metrics = single.train_step(_rows(8))
+    metrics = single.train_step(_rows(n_rows + n_rows % 2)[:n_rows])
     assert sharded["metrics"]["trained_tokens"] == metrics["trained_tokens"]
     assert sharded["metrics"]["loss"] == pytest.approx(metrics["loss"], abs=1e-5)
     for name, grad in grads.items():

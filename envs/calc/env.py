@@ -13,7 +13,6 @@ from __future__ import annotations
 import ast
 import operator
 import random
-import re
 from typing import Any, ClassVar
 
 from reflow.env import (
@@ -204,25 +203,29 @@ class CalcEnv(ToolEnv):
         return result
 
     def demo(self, task: Task, messages: list[Message], rng: random.Random, error_rate: float = 0.0) -> str:
-        """Do the steps one calculator call at a time; with probability `error_rate` per turn, slip."""
+        """Do the steps one calculator call at a time; with probability `error_rate` per turn, slip.
+
+        A slip is a plausible wrong choice of the skill the task tests, as a careless solver makes it,
+        never broken output: the operand of another sentence (or the starting number), the wrong
+        operation, the answer given before the last calls (calls left out), or the answer read off the
+        call before the last. A slipped call's result is carried on, as a solver would."""
         done = [m for m in messages if m["role"] == "tool" and not m["content"].startswith("Error")]
-        current = parse_number(done[-1]["content"]) if done else float(task["start"])
+        values = [float(task["start"])] + [parse_number(m["content"]) for m in done]
+        current = values[-1]
         steps = task["steps"]
         if len(done) >= len(steps) or current is None:
             answer = current if current is not None else 0
-            if rng.random() < error_rate:
-                answer += rng.choice([-2, -1, 1, 2, 10])
+            if rng.random() < error_rate and len(values) > 1 and values[-2] is not None:
+                answer = values[-2]  # the result of the call before the last
             return f"The answer is \\boxed{{{format_number(answer)}}}."
         op, b = steps[len(done)]
         if rng.random() < error_rate:
-            slip = rng.choice(["operand", "operator", "malformed", "guess"])
-            if slip == "operand":
-                b = b + rng.choice([-1, 1, 2])
-            elif slip == "operator":
-                op = rng.choice([o for o in "+-*" if o != op])
-            elif slip == "malformed":
-                call = format_hermes_call("calculator", {"expression": f"{format_number(current)} {op} {b}"})
-                return re.sub(r"\}\s*\n</tool_call>", "\n</tool_call>", call, count=1)
+            slip = rng.choice(["operand", "operator", "early"])
+            others = [s[1] for s in steps if s[1] != b] + [task["start"]]
+            if slip == "operand" and any(o != b for o in others):
+                b = rng.choice([o for o in others if o != b])
+            elif slip == "early" and done:
+                return f"The answer is \\boxed{{{format_number(current)}}}."
             else:
-                return f"The answer is \\boxed{{{format_number(current + rng.randint(1, 20))}}}."
+                op = rng.choice([o for o in "+-*" if o != op])
         return format_hermes_call("calculator", {"expression": f"{format_number(current)} {op} {b}"})

@@ -5,6 +5,13 @@ routes: `/generate` with `input_ids` (token-in-token-out, `return_logprob`), `/u
 `/update_weights_from_tensor`, `/pause_generation`, `/continue_generation`, `/abort_request`,
 `/flush_cache`, `/health`. Requests go to the server with the fewest requests in flight.
 
+Per-token versions: a weight update aborts the requests in flight on the servers
+(`abort_all_requests`), and `generate` resubmits each one with its exact token prefix (prompt + what
+it sampled so far) once the update is in, as a partial rollout; the tokens before the update carry the
+old version and the rest the new one (`meta["token_versions"]`, as `TorchEngine` reports them), so the
+loss weighs every token against the policy that sampled it. The resubmission re-prefills the prefix
+(`meta["reprefill_tokens"]`); a stop string that would straddle the split is not matched.
+
 SGLang needs a GPU, so this module never imports sglang at module level; the request bodies are
 checked against sglang's own request classes in `tests/sglang/`, and `scripts/sglang_e2e.py` exercises
 a real server on a GPU machine. Logprobs: SGLang returns log_softmax(logits / temperature) for sampled
@@ -19,7 +26,7 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -56,18 +63,25 @@ def generate_payload(input_ids: list[int], params: SamplingParams, rid: str) -> 
 
 
 def update_from_disk_payload(path: str, version: int) -> dict[str, Any]:
-    """The `/update_weights_from_disk` body (an `UpdateWeightFromDiskReqInput`)."""
+    """The `/update_weights_from_disk` body (an `UpdateWeightFromDiskReqInput`). Requests in flight are
+    aborted first, so none spans the update (`SGLangEngine.generate` resubmits them)."""
     return {
         "model_path": path,
         "weight_version": str(version),
-        "abort_all_requests": False,
+        "abort_all_requests": True,
         "flush_cache": True,
     }
 
 
 def update_from_tensor_payload(serialized: list[str], version: int) -> dict[str, Any]:
-    """The `/update_weights_from_tensor` body (an `UpdateWeightsFromTensorReqInput`); one entry per TP rank."""
-    return {"serialized_named_tensors": serialized, "weight_version": str(version), "flush_cache": True}
+    """The `/update_weights_from_tensor` body (an `UpdateWeightsFromTensorReqInput`); one entry per TP
+    rank. Requests in flight are aborted first, as for `update_from_disk_payload`."""
+    return {
+        "serialized_named_tensors": serialized,
+        "weight_version": str(version),
+        "flush_cache": True,
+        "abort_all_requests": True,
+    }
 
 
 def abort_payload(rid: str | None) -> dict[str, Any]:
@@ -141,6 +155,10 @@ class SGLangEngine:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.AsyncClient(timeout=timeout_s, headers=headers, transport=transport)
         self._version = version
+        self._updating = asyncio.Lock()  # one weight update at a time, so versions never go back
+        self._updates_begun = 0  # a request aborted while this moved was aborted by an update
+        self._user_aborted: set[str] = set()
+        self._parts: dict[str, str] = {}  # request id -> the server rid of its current part
 
     @classmethod
     def launch(
@@ -204,48 +222,115 @@ class SGLangEngine:
     async def generate(
         self, input_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> GenerateResult:
+        """One completion; split into parts where a weight update aborted it (see the module
+        docstring), each part resubmitted with the exact prefix so far."""
         rid = request_id or uuid.uuid4().hex
+        out_ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        reprefill = 0
+        part: GenerateResult | None = None
+        try:
+            while True:
+                remaining = params.max_new_tokens - len(out_ids)
+                updates_before, version_before = self._updates_begun, self._version
+                part_rid = rid if part is None else f"{rid}.{len(out_ids)}"  # unique per part
+                self._parts[rid] = part_rid
+                body = await self._generate_part(
+                    [*input_ids, *out_ids], replace(params, max_new_tokens=remaining), part_rid
+                )
+                part = parse_generate_response(body, version_before)
+                out_ids += part.output_ids
+                logprobs += part.logprobs
+                versions += [part.weight_version] * len(part.output_ids)
+                split = (
+                    part.finish_reason == "abort"
+                    and self._updates_begun != updates_before
+                    and rid not in self._user_aborted
+                )
+                if not split or len(out_ids) >= params.max_new_tokens:
+                    break
+                async with self._updating:  # resubmit once the update is in
+                    pass
+                reprefill += len(input_ids) + len(out_ids)
+        finally:
+            self._parts.pop(rid, None)
+            self._user_aborted.discard(rid)
+        finish = part.finish_reason
+        if finish == "abort" and split:  # cut by an update at the very end of its token budget
+            finish = "length"
+        meta = dict(part.meta)
+        if versions and versions[0] != versions[-1]:
+            meta["token_versions"] = versions
+        if reprefill:
+            meta["reprefill_tokens"] = reprefill
+        return GenerateResult(
+            output_ids=out_ids,
+            logprobs=logprobs,
+            finish_reason=finish,
+            weight_version=versions[-1] if versions else part.weight_version,
+            prompt_tokens=len(input_ids),
+            matched_stop=part.matched_stop,
+            meta=meta,
+        )
+
+    async def _generate_part(self, input_ids: list[int], params: SamplingParams, rid: str) -> Any:
         server = min(self.servers, key=lambda s: s.in_flight)
         server.in_flight += 1
         server.rids.add(rid)
         try:
-            body = await self._post(server, "/generate", generate_payload(input_ids, params, rid))
+            return await self._post(server, "/generate", generate_payload(input_ids, params, rid))
         finally:
             server.in_flight -= 1
             server.rids.discard(rid)
-        return parse_generate_response(body, self._version)
 
     async def abort(self, request_id: str) -> None:
+        self._user_aborted.add(request_id)
+        rid = self._parts.get(request_id, request_id)
         for server in self.servers:
-            if request_id in server.rids:
-                await self._post(server, "/abort_request", abort_payload(request_id))
+            if rid in server.rids:
+                await self._post(server, "/abort_request", abort_payload(rid))
 
     async def _all(self, route: str, payload: dict[str, Any]) -> list[Any]:
         return list(await asyncio.gather(*(self._post(s, route, payload) for s in self.servers)))
 
     async def update_weights(
-        self, state_dict: dict[str, Any] | None = None, path: str | None = None, version: int | None = None
+        self,
+        state_dict: dict[str, Any] | None = None,
+        path: str | None = None,
+        version: int | None = None,
+        *,
+        rewind: bool = False,
     ) -> int:
-        """From a checkpoint folder every server can read, or from tensors (same host: CUDA IPC handles)."""
-        new_version = self._version + 1 if version is None else version
-        if path is not None:
-            results = await self._all(
-                "/update_weights_from_disk", update_from_disk_payload(path, new_version)
-            )
-        elif state_dict is not None:
-            from sglang.srt.utils import MultiprocessingSerializer  # only where sglang is installed
+        """From a checkpoint folder every server can read, or from tensors (same host: CUDA IPC handles).
+        Updates run one at a time; a `version` older than the engine's raises ValueError unless
+        `rewind` (loading older weights on purpose), as `TorchEngine.update_weights` does."""
+        if (state_dict is None) == (path is None):
+            raise ValueError("update_weights needs exactly one of a state_dict or a path")
+        async with self._updating:
+            self._updates_begun += 1
+            new_version = self._version + 1 if version is None else int(version)
+            if new_version < self._version and not rewind:
+                raise ValueError(
+                    f"weight version {new_version} is older than the engine's ({self._version}): refused "
+                    "(pass rewind=True to load older weights on purpose)"
+                )
+            if path is not None:
+                results = await self._all(
+                    "/update_weights_from_disk", update_from_disk_payload(path, new_version)
+                )
+            else:
+                from sglang.srt.utils import MultiprocessingSerializer  # only where sglang is installed
 
-            serialized = MultiprocessingSerializer.serialize(list(state_dict.items()), output_str=True)
-            results = await self._all(
-                "/update_weights_from_tensor", update_from_tensor_payload([serialized], new_version)
-            )
-        else:
-            raise ValueError("update_weights needs a state_dict or a path")
-        failed = [r for r in results if isinstance(r, dict) and r.get("success") is False]
-        if failed:
-            raise EngineError(f"SGLang weight update failed: {failed[0].get('message')}")
-        self._version = new_version
-        return new_version
+                serialized = MultiprocessingSerializer.serialize(list(state_dict.items()), output_str=True)
+                results = await self._all(
+                    "/update_weights_from_tensor", update_from_tensor_payload([serialized], new_version)
+                )
+            failed = [r for r in results if isinstance(r, dict) and r.get("success") is False]
+            if failed:
+                raise EngineError(f"SGLang weight update failed: {failed[0].get('message')}")
+            self._version = new_version
+            return new_version
 
     async def pause(self, mode: str = "abort") -> None:
         await self._all("/pause_generation", pause_payload(mode))

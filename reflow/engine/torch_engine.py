@@ -29,6 +29,10 @@ Semantics the rollout and trainer rely on:
   SGLang's in-flight updates). A result's `weight_version` is the version of its last token; if it
   changed during the request, `meta["token_versions"]` gives the version of every output token.
   Parked prefixes are dropped on every update, so a later request never reuses stale keys/values.
+  Versions never go back: a version older than the newest one given (applied or still queued) is
+  refused with ValueError, so updates that race (an async actor does not order its calls) cannot
+  leave the engine on older weights; the same version loads again. `rewind=True` loads an older
+  version on purpose (evaluating a snapshot after the run).
 - `meta`: `request_id`, `latency_s` (submission to result), and `token_versions` when mixed.
 - `health()`: ok, weight_version, running, waiting, and counters (steps, prefills, generated_tokens,
   prefill_tokens, prefix_hits, prefix_hit_tokens, prefill_s, decode_s, errors, kv_capacity, kv_rebases).
@@ -108,6 +112,7 @@ class TorchEngine(DecodeLoop):
         self._cache_kwarg = "cache" if "cache" in forward_args else "past_key_values"
         self._cache = SlotKVCache(config.num_hidden_layers, max_batch_size, self.device, dtype, kv_headroom)
         self._version = weight_version
+        self._newest = weight_version  # the newest version given to update_weights (applied or queued)
         self._inbox: collections.deque[tuple[str, Any]] = collections.deque()
         self._wake = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
@@ -193,22 +198,49 @@ class TorchEngine(DecodeLoop):
         self._post("abort", request_id)
 
     async def update_weights(
-        self, state_dict: dict[str, Any] | None = None, path: str | None = None, version: int | None = None
+        self,
+        state_dict: dict[str, Any] | None = None,
+        path: str | None = None,
+        version: int | None = None,
+        *,
+        rewind: bool = False,
     ) -> int:
         """Load new weights (a state dict, or a checkpoint file / HF folder) between two decode steps;
-        returns the new weight version (`version` if given, else the current one plus 1). Keys the
-        model lacks raise KeyError; keys left out keep their current values."""
+        returns the new weight version (`version` if given, else the newest one plus 1). Keys the
+        model lacks raise KeyError; keys left out keep their current values. A `version` older than
+        the newest one given raises ValueError unless `rewind` (see the module docstring)."""
         if (state_dict is None) == (path is None):
             raise ValueError("pass exactly one of state_dict or path")
         if self._closed:
             raise EngineError("engine is closed")
+        self._check_version(version, rewind)  # before reading a file for nothing
         if path is not None:
             state_dict = await asyncio.to_thread(load_state_dict, Path(path))
         assert state_dict is not None
         check_state_dict(self.model, state_dict)
-        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._post("update", (state_dict, version, done, asyncio.get_running_loop()))
-        return await done
+        # Checked again and posted with no await in between: the inbox is applied in order, so the
+        # versions the worker applies never go back.
+        target = self._check_version(version, rewind)
+        self._newest = target
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[int] = loop.create_future()
+        self._post("update", (state_dict, target, done, loop))
+        try:
+            return await done
+        except Exception:  # the copy failed (a cancelled caller leaves the update queued)
+            if self._newest == target:  # nothing newer queued since: the engine stays where it is
+                self._newest = self._version
+            raise
+
+    def _check_version(self, version: int | None, rewind: bool) -> int:
+        if version is None:
+            return self._newest + 1
+        if version < self._newest and not rewind:
+            raise ValueError(
+                f"weight version {version} is older than the engine's newest ({self._newest}): refused "
+                "(pass rewind=True to load older weights on purpose)"
+            )
+        return int(version)
 
     async def health(self) -> dict[str, Any]:
         return {

@@ -24,7 +24,10 @@ Policy = Callable[[list[Message], list[dict[str, Any]]], "str | Awaitable[str]"]
 
 
 @dataclass
-class TurnRecord:
+class PlayedTurn:
+    """One turn of a played episode, for the CLI's summaries (the training record is
+    `reflow.records.TurnRecord`)."""
+
     index: int
     raw_text: str
     tool_calls: list[dict[str, Any]]
@@ -45,7 +48,7 @@ class EpisodeResult:
     success: bool
     turns: int
     messages: list[Message] = field(default_factory=list)
-    records: list[TurnRecord] = field(default_factory=list)
+    records: list[PlayedTurn] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     seconds: float = 0.0
@@ -129,7 +132,7 @@ async def play_episode(
         result.reward += step.reward
         result.turns = index + 1
         result.records.append(
-            TurnRecord(
+            PlayedTurn(
                 index,
                 text,
                 [asdict(c) for c in turn.tool_calls],

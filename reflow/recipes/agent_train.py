@@ -24,11 +24,15 @@ from reflow.recipes.train_parts import (
     Clock,
     RunState,
     checkpoint,
+    eval_due,
     evaluate,
     evaluate_snapshots,
     leftover_groups,
+    measure_headroom,
     next_seeds,
+    observe_tasks,
     out_of_time,
+    rewind_replay,
     run_summary,
     spread_round_size,
     step_record,
@@ -53,11 +57,15 @@ def train(config: RunConfig, *, resume: bool = False, console: Console | None = 
             extra = ray.get([t.load_checkpoint.remote(str(ckpt)) for t in pool.trainers])[0]
             state = RunState(**extra["run_state"])
             console.print(f"resumed from {ckpt} at step {state.step} (weights v{state.version})")
+        if resume:  # also with no checkpoint yet: the run starts over, and so does consumption
+            undone = rewind_replay(pool, state)
+            console.print(f"replay: {undone} consumptions by steps after {state.step} undone")
         ray.get(pool.replay.clear_in_flight.remote())  # groups in flight at a crash never arrived
         clock = Clock(state)
         sync_weights(pool, state.version)
         if not resume:
             evaluate(pool, config, log, state, clock)
+            measure_headroom(pool, config, log, state, "start")
         if config.mode == "sync":
             sync_loop(pool, config, log, state, clock, leftover_groups(pool, state) if resume else [])
         else:
@@ -68,6 +76,7 @@ def train(config: RunConfig, *, resume: bool = False, console: Console | None = 
         points = state.history + state.snapshots
         if not points or points[-1]["step"] != state.step:  # always end on an evaluation
             evaluate(pool, config, log, state, clock)
+        measure_headroom(pool, config, log, state, "final")
         checkpoint(pool, config, state)
         evaluate_snapshots(pool, config, log, state)
         reuse = ray.get(pool.replay.reuse_histogram.remote())
@@ -89,21 +98,44 @@ def sync_loop(
     clock: Clock,
     pending: list[GroupReport],
 ) -> None:
-    """Generate B groups with reward spread using weights v, train on them once, sync weights v+1."""
-    while state.step < config.train.steps and not out_of_time(config, state):
+    """Generate B groups with reward spread using weights v, train on them once, sync weights v+1.
+    A round with no group with spread (after every resampling round) trains nothing: no step is
+    taken, weights and version stay, and it counts as `steps_no_signal` (towards `train.steps`, so a
+    policy that gets no signal any more cannot loop forever). No round starts that the time budget
+    cannot fit, judged by the mean round so far."""
+    while state.step + state.steps_no_signal < config.train.steps:
+        rounds = state.step + state.steps_no_signal
+        if out_of_time(config.train.seconds, clock.now(), state.wall_s / rounds if rounds else 0.0):
+            break
         t0 = time.monotonic()
         groups, reports = collect_groups(pool, config, state, pending)
         t1 = time.monotonic()
+        state.rollout_busy_s += (t1 - t0) * len(pool.rollout)
+        # the zero-spread groups passed over are retired (as in the other modes), trained or not
+        retired = [r.group_id for r in reports if not r.has_spread]
+        if not groups:
+            state.steps_no_signal += 1
+            ray.get(pool.replay.mark_consumed.remote(retired, state.step + 1))
+            state.generated_tokens += sum(r.generated_tokens for r in reports)
+            clock.tick()
+            log.write(
+                "no_signal",
+                {
+                    "step": state.step,
+                    "groups_generated": len(reports),
+                    "steps_no_signal": state.steps_no_signal,
+                    "rollout_s": t1 - t0,
+                },
+            )
+            log.console.print(f"no group with reward spread in {len(reports)}: step not taken")
+            continue
         ids = [g.group_id for g in groups]
-        metrics = ray.get([t.train_step.remote(ids, state.step + 1) for t in pool.trainers])[0]
+        metrics = pool.train_step(ids, state.step + 1)
         t2 = time.monotonic()
         state.step, state.version = state.step + 1, state.version + 1
         sync_weights(pool, state.version)
-        # the trained groups, and the zero-spread ones passed over (retired, as in the other modes)
-        retired = [r.group_id for r in reports if not r.has_spread]
         ray.get(pool.replay.mark_consumed.remote([*ids, *retired], state.step))
         t3 = time.monotonic()
-        state.rollout_busy_s += (t1 - t0) * len(pool.rollout)
         state.trainer_busy_s += t2 - t1
         clock.tick()
         times = {"rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2}
@@ -112,7 +144,7 @@ def sync_loop(
         )
         if state.step % config.train.checkpoint_every == 0 or state.step == config.train.steps:
             checkpoint(pool, config, state)
-        if config.eval.every and state.step % config.eval.every == 0:
+        if eval_due(config, state):
             evaluate(pool, config, log, state, clock)
 
 
@@ -121,15 +153,15 @@ def collect_groups(
 ) -> tuple[list[GroupReport], list[GroupReport]]:
     """Groups with reward spread for one step, generated with the current weights. Zero-spread groups
     carry no gradient: generate more (DAPO dynamic sampling) for up to `max_resample_rounds` rounds.
-    Every group, used or not, is in the store."""
-    want, reports = config.rollout.groups_per_step, []
-    usable = pending[:want]
-    del pending[: len(usable)]
+    Every group, used or not, is in the store. `pending`: groups of the current weights stored
+    before a resume, used first and only by this step (the next one has other weights)."""
+    want, reports = config.rollout.groups_per_step, list(pending)
+    usable = [r for r in reports if r.has_spread]
+    pending.clear()
     for _ in range(1 + config.rollout.max_resample_rounds):
-        seeds = next_seeds(state, spread_round_size(want, want - len(usable), reports))
-        chunks = [seeds[i :: len(pool.rollout)] for i in range(len(pool.rollout))]
-        calls = [w.generate.remote(c) for w, c in zip(pool.rollout, chunks, strict=True) if c]
-        new = [r for batch in ray.get(calls) for r in batch]
+        seeds = next_seeds(state, spread_round_size(want, want - len(usable), reports), config)
+        new = pool.generate(seeds)  # dealt round-robin over the rollout workers
+        observe_tasks(config, state, seeds, new, len(pool.rollout))
         reports += new
         usable += [r for r in new if r.has_spread]
         if len(usable) >= want:

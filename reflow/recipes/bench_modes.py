@@ -1,7 +1,12 @@
 """`reflow bench modes`: sync, async and reflow on identical hardware, initial weights, task order and
 seeds; a Markdown table and PNG plots of what each mode buys.
 
-    reflow bench modes --config configs/calc-tiny.yaml --seeds 3 --budget-minutes 4
+    reflow bench modes --config configs/calc-tiny.yaml --seeds 3 --budget-minutes 4 [--ablations]
+
+`--ablations` adds mode reflow with parts switched off beside the three modes (`ABLATIONS`):
+`reflow-static` (the dual replay cycle only: static slots, no tail scheduler) and `reflow-no-tail`
+(the elastic pool on, the tail scheduler off), so each part shows its own share of the gain; the
+table's last columns count role changes (and their measured cost) and tail actions.
 
 Every run gets the same wall-clock training budget (evaluation excluded: weights are snapshotted at
 each evaluation point and evaluated after the run, so evaluation never competes with training) and
@@ -22,10 +27,33 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("sync", "async", "reflow")
+ABLATIONS: dict[str, list[str]] = {
+    "reflow-static": ["elastic.enabled=false", "tail.enabled=false"],
+    "reflow-no-tail": ["tail.enabled=false"],
+}
+"""Rows of mode reflow with parts switched off: row name -> config overrides."""
+ROWS = (*MODES, *ABLATIONS)
+"""Every row the table can have, in its order."""
+COUNTS = ("role_changes", "role_change_s", "tail_over_provisioned", "tail_carried_over", "tail_migrations")
+"""Summary counters of the elastic pool and the tail scheduler (0 in runs that predate them)."""
+
+
+def variants(ablations: bool) -> list[tuple[str, str, list[str]]]:
+    """(row name, mode, overrides) of each run per seed."""
+    rows = [(mode, mode, []) for mode in MODES]
+    if ablations:
+        rows += [(name, "reflow", extra) for name, extra in ABLATIONS.items()]
+    return rows
 
 
 def run_modes(
-    config_path: str, seeds: int, budget_minutes: float, out_dir: Path, overrides: list[str], log: Any
+    config_path: str,
+    seeds: int,
+    budget_minutes: float,
+    out_dir: Path,
+    overrides: list[str],
+    log: Any,
+    ablations: bool = False,
 ) -> list[dict[str, Any]]:
     from reflow.config import load_config
     from reflow.recipes.agent_train import train
@@ -33,14 +61,15 @@ def run_modes(
 
     results = []
     for seed in range(seeds):
-        for mode in MODES:
+        for name, mode, extra in variants(ablations):
             config = load_config(
                 config_path,
                 [
                     *overrides,
+                    *extra,
                     f"mode={mode}",
                     f"seed={seed}",
-                    f"run_name=bench-{mode}-seed{seed}",
+                    f"run_name=bench-{name}-seed{seed}",
                     f"out_dir={out_dir}",
                     f"train.seconds={budget_minutes * 60}",
                     "train.steps=100000",
@@ -48,11 +77,11 @@ def run_modes(
                 ],
             )
             shutil.rmtree(config.run_dir, ignore_errors=True)  # a rerun starts clean
-            log(f"[bold]bench[/bold] {mode} seed {seed}: {budget_minutes} min budget")
+            log(f"[bold]bench[/bold] {name} seed {seed}: {budget_minutes} min budget")
             summary = train(config)
             steps = read_metrics(config.run_dir, "step")
             evals = read_metrics(config.run_dir, "eval")
-            results.append({"mode": mode, "seed": seed, "summary": summary, "steps": steps, "evals": evals})
+            results.append({"mode": name, "seed": seed, "summary": summary, "steps": steps, "evals": evals})
     return results
 
 
@@ -98,7 +127,7 @@ def default_target(results: list[dict[str, Any]]) -> float | None:
             for r in results
             if r["mode"] == mode
         )
-        for mode in MODES
+        for mode in ROWS
         if any(r["mode"] == mode for r in results)
     }
     start = statistics.fmean(r["evals"][0]["success_rate"] for r in results)
@@ -125,10 +154,11 @@ def table(results: list[dict[str, Any]], target: float | None, budget_minutes: f
         "",
         "| mode | time to target (s) | reached | held-out at budget | start | gen tok/s | trained tok/s "
         "| rollout idle | trainer idle | staleness mean | reuse (mean uses/group) | IS w mean | IS w max "
-        "| masked frac | steps |",
-        "| --- " * 15 + "|",
+        "| masked frac | steps | role changes | role change s | over-provisioned | carried over "
+        "| migrations |",
+        "| --- " * 20 + "|",
     ]
-    for mode in MODES:
+    for mode in ROWS:
         runs = [r for r in results if r["mode"] == mode]
         if not runs:
             continue
@@ -153,6 +183,7 @@ def table(results: list[dict[str, Any]], target: float | None, budget_minutes: f
             _mean_std([max((s.get("w_max", 0.0) for s in r["steps"]), default=None) for r in runs]),
             _mean_std([_step_mean(r["steps"], "masked_frac") for r in runs]),
             _mean_std([r["summary"]["steps"] for r in runs]),
+            *(_mean_std([r["summary"].get(key, 0) for r in runs]) for key in COUNTS),
         ]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"
@@ -165,7 +196,13 @@ def plot(results: list[dict[str, Any]], out: Path, target: float | None) -> Path
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    colors = {"sync": "tab:blue", "async": "tab:orange", "reflow": "tab:green"}
+    colors = {
+        "sync": "tab:blue",
+        "async": "tab:orange",
+        "reflow": "tab:green",
+        "reflow-static": "tab:olive",
+        "reflow-no-tail": "tab:cyan",
+    }
     for r in results:
         evals = r["evals"]
         label = r["mode"] if r["seed"] == 0 else None
@@ -215,6 +252,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", type=float, help="held-out success target (default: see module docs)")
     p.add_argument("--out", default="runs/bench-modes")
     p.add_argument(
+        "--ablations",
+        action="store_true",
+        help="also run reflow-static (elastic pool and tail scheduler off) and reflow-no-tail",
+    )
+    p.add_argument(
         "--report-only",
         action="store_true",
         help="rebuild the table and plot from OUT/bench_modes.json (e.g. with another --target), no runs",
@@ -223,7 +265,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_bench_modes(args: argparse.Namespace) -> int:
-    from reflow.cli import console
+    from reflow.console import console
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -232,7 +274,9 @@ def cmd_bench_modes(args: argparse.Namespace) -> int:
         saved = json.loads((out / "bench_modes.json").read_text())
         results, budget = saved["results"], saved.get("budget_minutes", budget)
     else:
-        results = run_modes(args.config, args.seeds, budget, out, args.overrides, console.print)
+        results = run_modes(
+            args.config, args.seeds, budget, out, args.overrides, console.print, args.ablations
+        )
     target = args.target if args.target is not None else default_target(results)
     markdown = table(results, target, budget)
     (out / "bench_modes.md").write_text(markdown)

@@ -1,15 +1,23 @@
 """The `async` and `reflow` modes: rollout workers and trainer ranks run at the same time.
 
-- async: rollouts run ahead of the trainer by at most `replay.eta` policy versions (admission control:
-  a group may start while accepted + in-flight groups < (eta + v + 1) * B); each group is trained on
-  once; new weights reach the engines without stopping the trainer, and episodes in flight across an
-  update keep per-token versions (the loss uses their behaviour log-probs).
+- async: rollouts run ahead of the trainer by at most `replay.eta` policy versions (admission control,
+  `AdmissionControl`: a group may start while the groups not yet trained plus those in flight stay
+  below (eta + 1) * B, counted from the weights the engines confirmed); each group is trained on
+  once; new weights reach the engines without stopping the trainer (`WeightPusher`: every push
+  tracked, in order per engine), and episodes in flight across an update keep per-token versions (the
+  loss uses their behaviour log-probs).
 - reflow: the same, plus the dual replay cycle: when fresh groups are short, recent groups (age <=
   tau_max, reuse < K) fill the batch up to the adaptive replay share, so the trainer does not idle; the
-  share rises while the trainer waits and falls when importance weights degrade.
+  share rises while the trainer waits and falls when importance weights degrade. Also on by default
+  in reflow (`elastic.enabled` / `tail.enabled` switch them off for ablations; `loop_sched`): the
+  elastic pool may move one slot between rollout and training at each version boundary, and the
+  tail scheduler keeps B + delta groups of a batch started (delta from the tail's heaviness) and lets
+  a step start on the first B done, the rest carrying over into the next step.
 
 One driver loop: top up rollouts to what admission allows, start a train step when a batch can be
-planned, then wait for whichever finishes first.
+planned, then wait for whichever finishes first (a group, the step, a weight push). With a time
+budget (`train.seconds`) no step starts that would end past it (the mean step so far), and no
+rollout that could not be trained in time.
 """
 
 from __future__ import annotations
@@ -17,25 +25,30 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
+from dataclasses import dataclass, field
+from statistics import fmean
 from typing import Any
 
 import ray
 
 from reflow.config import RunConfig
+from reflow.recipes.loop_sched import ElasticDriver, GroupInFlight, TailGate, moved_positions
 from reflow.recipes.run_log import RunLog
 from reflow.recipes.train_parts import (
     Clock,
     RunState,
     checkpoint,
+    eval_due,
     evaluate,
     next_seeds,
     out_of_time,
-    push_weights,
     step_record,
 )
+from reflow.recipes.weight_sync import WeightPusher
 from reflow.replay.cycle import AdmissionControl, ReplayShare
 from reflow.sched.pool import ResourcePool
-from reflow.sched.replay_service import cycle_config
+from reflow.sched.replay_service import PlannedBatch, cycle_config
+from reflow.sched.tail import TailPolicy
 from reflow.sched.workers import GroupReport
 
 
@@ -59,50 +72,180 @@ class BusyClock:
         now = time.monotonic()
         return self.busy + sum(now - s for s, n in zip(self.since, self.in_flight, strict=True) if n)
 
+    def remove(self, worker: int) -> None:
+        """The worker left (a role change): its busy time so far stays counted."""
+        if self.in_flight[worker]:
+            self.busy += time.monotonic() - self.since[worker]
+        del self.in_flight[worker], self.since[worker]
+
+    def insert(self, worker: int) -> None:
+        """A worker joined at position `worker`, idle."""
+        self.in_flight.insert(worker, 0)
+        self.since.insert(worker, 0.0)
+
+
+@dataclass
+class Arrivals:
+    """The groups that arrived: reports since the last step, groups with spread so far, durations."""
+
+    accepted: int
+    reports: list[GroupReport] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    """How long each group took (the budget's estimate, the tail's quantiles)."""
+    episodes: int = 0
+
+    def add(self, new: list[GroupReport]) -> None:
+        self.reports += new
+        self.accepted += sum(r.has_spread for r in new)
+        self.seconds += [r.seconds for r in new]
+        self.episodes += sum(len(r.rewards) for r in new)
+
+
+@dataclass
+class StepInFlight:
+    """A train step running on the trainer ranks."""
+
+    refs: list[Any]
+    """One object ref per rank (every rank takes part); rank 0's returns the metrics."""
+    plan: PlannedBatch
+    wait_s: float
+    """How long the trainer waited for this batch."""
+    started: float
+
+    @property
+    def fresh(self) -> int:
+        return int(self.plan.metrics["batch_fresh"])
+
 
 def decoupled_loop(pool: ResourcePool, config: RunConfig, log: RunLog, state: RunState, clock: Clock) -> None:
-    B, reflow = config.rollout.groups_per_step, config.mode == "reflow"
+    B, budget = config.rollout.groups_per_step, config.train.seconds
     admission = AdmissionControl(config.replay.eta, B)
-    share = ReplayShare(cycle_config(config)) if reflow else None
+    share = ReplayShare(cycle_config(config)) if config.mode == "reflow" else None
     per_worker = max(1, config.rollout.max_batch_size // config.rollout.group_size)
-    rollouts: dict[Any, int] = {}  # object ref -> worker index
+    weights = WeightPusher(pool, state.version)
+    rollouts: dict[Any, GroupInFlight] = {}  # object ref of a group in flight -> its worker, since when
     workers = BusyClock(len(pool.rollout))
+    elastic = ElasticDriver(pool, config, state, clock.now()) if config.elastic.active(config.mode) else None
+    tail = TailGate(_tail_policy(config), B, per_worker)
     busy_before = state.rollout_busy_s
-    accepted = ray.get(pool.replay.accepted.remote())
-    train: dict[str, Any] | None = None
-    reports: list[GroupReport] = []
+    uses = ray.get(pool.replay.reuse_histogram.remote(spread=True))  # groups with spread, by uses
+    got = Arrivals(accepted=sum(uses.values()))
+    trained = {state.version: got.accepted - uses.get(0, 0)}  # version -> fresh groups trained by then
+    step: StepInFlight | None = None
     waiting_since = time.monotonic()
-    while state.step < config.train.steps and not out_of_time(config, state):
-        while (w := _free_worker(workers, per_worker)) is not None and admission.may_start(
-            state.version, accepted, len(rollouts)
+    while True:
+        now, step_s = clock.now(), state.trainer_busy_s / state.step if state.step else 0.0
+        can_step = state.step < config.train.steps and not out_of_time(budget, now, step_s)
+        # fresh groups waiting; below 0 for a moment when a step took a group stored before its
+        # report reached the loop (that group still counts as in flight)
+        fresh = max(0, got.accepted - trained[state.version] - (step.fresh if step else 0))
+        # tail: how many more groups the batch being collected may start (B + delta; none once B done)
+        gate = tail.look(fresh, list(rollouts.values()), workers.in_flight, time.monotonic())
+        _log_events(log, state, "tail", gate.events)
+        # collect: start groups while the tail gate and admission (from the engines' confirmed
+        # weights) allow, and while a group started now can still be trained inside the budget
+        confirmed = weights.confirmed
+        while (
+            can_step
+            and gate.allows()
+            and (w := _free_worker(workers, per_worker)) is not None
+            and admission.may_start(confirmed, got.accepted, len(rollouts), trained[confirmed])
+            and not out_of_time(budget, now, (fmean(got.seconds) if got.seconds else 0.0) + step_s)
         ):
-            rollouts[_launch(pool, w, state)] = w
+            state.tail_over_provisioned += gate.take()
+            ref, group = _launch(pool, w, weights.versions.confirmed[w], state)
+            rollouts[ref] = group
             workers.start(w)
-        if train is None:
-            train = _start_train(pool, config, state, share)
-            if train is not None:
-                train["wait_s"] = time.monotonic() - waiting_since
-        if not rollouts and train is None:
-            # Nothing running and no batch to plan: only after a resume whose store is ahead of the
-            # restored checkpoint (groups consumed after it). Generate past the bound rather than stall.
-            rollouts[_launch(pool, 0, state)] = 0
-            workers.start(0)
-        pending = [*rollouts, *([train["ref"]] if train else [])]
+        # train: start a step when a batch can be planned; the groups still running carry over
+        if step is None and can_step:
+            step = _start_step(pool, config, state, share, time.monotonic() - waiting_since)
+            if step is not None and tail.policy is not None and rollouts:
+                _carry_over(log, state, step, len(rollouts))
+        if step is None and (not can_step or not (rollouts or weights.refs)):
+            break  # no step running, and none can start or get data
+        pending = [*rollouts, *weights.refs, *([step.refs[0]] if step else [])]
         ready, _ = ray.wait(pending, num_returns=1)
+        weights.collect(ready)  # sync weights: record confirmed versions, start due pushes
         for ref in ready:
-            if train is not None and ref == train["ref"]:
-                _finish_train(pool, config, log, state, clock, train, reports, share)
-                reports, train, waiting_since = [], None, time.monotonic()
-            else:
-                worker = rollouts.pop(ref)
-                workers.done(worker)
-                new = ray.get(ref)
-                reports += new
-                accepted += sum(r.has_spread for r in new)
+            if step is not None and ref == step.refs[0]:
+                _finish_step(pool, config, log, state, clock, step, got.reports, share, weights)
+                trained[state.version] = trained[state.version - 1] + step.fresh
+                got.reports, waiting_since = [], time.monotonic()
+                if elastic is not None:  # elastic pool: a slot may change role at this version boundary
+                    elastic.stepped(len(step.plan.group_ids))
+                    by_worker = (rollouts, workers, weights)  # what the loop keys by worker position
+                    _elastic_boundary(elastic, pool, log, state, clock, share, got, trained, by_worker)
+                step = None
+            elif ref in rollouts:
+                workers.done(rollouts.pop(ref).worker)
+                got.add(ray.get(ref))
+        tail.observe(got.seconds)
         state.rollout_busy_s = busy_before + workers.total()
     for ref in rollouts:  # the run is over: groups still in flight are not waited for
         with contextlib.suppress(Exception):
             ray.cancel(ref)
+    weights.wait_all()  # the final evaluation and checkpoint see engines on the last weights
+
+
+def _tail_policy(config: RunConfig) -> TailPolicy | None:
+    return TailPolicy(config.tail.policy_config()) if config.tail.active(config.mode) else None
+
+
+def _log_events(log: RunLog, state: RunState, kind: str, events: list[dict[str, Any]]) -> None:
+    for event in events:
+        log.write(kind, {"step": state.step, "version": state.version, **event})
+
+
+def _carry_over(log: RunLog, state: RunState, step: StepInFlight, running: int) -> None:
+    """A step started on the groups done: the `running` ones continue into the next step as they are."""
+    state.tail_carried_over += running
+    why = f"step {state.step + 1} starts on {len(step.plan.group_ids)} groups; {running} running carry over"
+    _log_events(log, state, "tail", [{"what": "carry_over", "why": why, "applied": True, "carried": running}])
+
+
+def _elastic_boundary(
+    elastic: ElasticDriver,
+    pool: ResourcePool,
+    log: RunLog,
+    state: RunState,
+    clock: Clock,
+    share: ReplayShare | None,
+    got: Arrivals,
+    trained: dict[int, int],
+    by_worker: tuple[dict[Any, GroupInFlight], BusyClock, WeightPusher],
+) -> None:
+    """Ask the elastic pool at this version boundary and apply its move: re-index what the loop keys by
+    rollout worker position (groups in flight, busy clocks, weight pushes); the groups the drained
+    worker finished arrive."""
+    rollouts, workers, weights = by_worker
+    before = [s.index for s in pool.rollout_slots]
+    event, change = elastic.at_boundary(
+        state,
+        clock.now(),
+        got.episodes,
+        replay_share=share.share if share else 0.0,
+        fresh_waiting=max(0, got.accepted - trained[state.version]),
+        in_flight=rollouts,
+    )
+    _log_events(log, state, "elastic", [event])
+    if change is None:
+        return
+    state.role_changes += 1
+    state.role_change_s += change.cost.total_s
+    gone, joined = moved_positions(before, [s.index for s in pool.rollout_slots])
+    if gone is not None:
+        for ref in [r for r, g in rollouts.items() if g.worker == gone]:
+            del rollouts[ref]  # drained: finished (in `change.drained`), failed or abandoned
+        for g in rollouts.values():
+            g.worker -= g.worker > gone
+        workers.remove(gone)
+        weights.remove(gone)
+    if joined is not None:
+        for g in rollouts.values():
+            g.worker += g.worker >= joined
+        workers.insert(joined)
+        weights.add(joined, change.version)
+    got.add(change.drained)
 
 
 def _free_worker(workers: BusyClock, per_worker: int) -> int | None:
@@ -112,15 +255,17 @@ def _free_worker(workers: BusyClock, per_worker: int) -> int | None:
     return best if load[best] < per_worker else None
 
 
-def _launch(pool: ResourcePool, worker: int, state: RunState) -> Any:
+def _launch(pool: ResourcePool, worker: int, version: int, state: RunState) -> tuple[Any, GroupInFlight]:
+    """Start one group on `worker`, registered in flight with the version its engine confirmed."""
     group_id = uuid.uuid4().hex
-    ray.get(pool.replay.begin_group.remote(group_id, state.version))
-    return pool.rollout[worker].generate.remote(next_seeds(state, 1), [group_id])
+    ray.get(pool.replay.begin_group.remote(group_id, version))
+    ref = pool.rollout[worker].generate.remote(next_seeds(state, 1), [group_id])
+    return ref, GroupInFlight(worker, group_id, time.monotonic())
 
 
-def _start_train(
-    pool: ResourcePool, config: RunConfig, state: RunState, share: ReplayShare | None
-) -> dict[str, Any] | None:
+def _start_step(
+    pool: ResourcePool, config: RunConfig, state: RunState, share: ReplayShare | None, wait_s: float
+) -> StepInFlight | None:
     """Plan a batch (fresh first; replay fills in reflow mode) and start the step, or None to wait."""
     plan = ray.get(
         pool.replay.plan_and_consume.remote(
@@ -133,41 +278,51 @@ def _start_train(
     )
     if plan is None:
         return None
-    refs = [t.train_step.remote(plan.group_ids, state.step + 1) for t in pool.trainers]
-    return {"ref": refs[0], "all": refs, "plan": plan, "started": time.monotonic()}
+    return StepInFlight(pool.start_train_step(plan.group_ids, state.step + 1), plan, wait_s, time.monotonic())
 
 
-def _finish_train(
+def _finish_step(
     pool: ResourcePool,
     config: RunConfig,
     log: RunLog,
     state: RunState,
     clock: Clock,
-    train: dict[str, Any],
+    step: StepInFlight,
     reports: list[GroupReport],
     share: ReplayShare | None,
+    weights: WeightPusher,
 ) -> None:
-    metrics = ray.get(train["all"])[0]
-    train_s = time.monotonic() - train["started"]
+    """The step is trained: version up, its weights on their way to the engines, log, checkpoint and
+    evaluate."""
+    metrics = ray.get(step.refs)[0]
+    train_s = time.monotonic() - step.started
     state.trainer_busy_s += train_s
     state.step, state.version = state.step + 1, state.version + 1
     sync_start = time.monotonic()
-    push_weights(pool, state.version)  # not awaited: engines swap weights between decode steps
-    plan = train["plan"]
-    extra = {"train_s": train_s, "trainer_wait_s": train["wait_s"], "sync_s": time.monotonic() - sync_start}
+    weights.publish(state.version)  # not awaited: engines swap weights between decode steps
+    extra = {
+        "train_s": train_s,
+        "trainer_wait_s": step.wait_s,
+        "sync_s": time.monotonic() - sync_start,
+        "engine_version": weights.confirmed,
+    }
     if share is not None:
         extra["replay_share"] = share.update(
             state.step,
-            trainer_wait_s=train["wait_s"],
+            trainer_wait_s=step.wait_s,
             masked_frac=metrics["masked_frac"],
             kl=metrics["kl_behav"],
+            ess=metrics["is_ess"],
         )
     clock.tick()
+    plan = step.plan
     record = step_record(
         state, len(pool.rollout), reports, len(plan.group_ids), metrics, plan.staleness, extra
     )
     log.step({**record, **plan.metrics})
     if state.step % config.train.checkpoint_every == 0 or state.step == config.train.steps:
         checkpoint(pool, config, state)
-    if config.eval.every and state.step % config.eval.every == 0:
+    if eval_due(config, state):
+        if not config.eval.deferred:  # a live evaluation plays on engine 0: it must have these weights
+            weights.wait_all()
         evaluate(pool, config, log, state, clock)

@@ -74,14 +74,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
-    from reflow.cli import console
+    from reflow.console import console
+    from reflow.errors import UsageError
 
     if args.pass_at is not None and (not args.eval or args.pass_at < 1):
-        console.print("[red]--pass-at K needs --eval and K >= 1[/red]")
-        return 2
+        raise UsageError("--pass-at K needs --eval and K >= 1")
     if args.eval and args.group_size != 1:  # greedy decoding would play the same episode G times
-        console.print("[red]--eval plays one greedy episode per held-out task: drop --group-size[/red]")
-        return 2
+        raise UsageError("--eval plays one greedy episode per held-out task: drop --group-size")
 
     async def run(engine: Engine, tokenizer: Any, temperature: float, group_size: int, episodes: int):
         sampling = SamplingParams(

@@ -31,25 +31,22 @@ def resolve_run(run: str) -> Path:
 
 
 def cmd_agent_train(args: argparse.Namespace) -> int:
-    from reflow.cli import console
+    from reflow.console import console
 
-    try:
-        if args.resume:
-            run_dir = resolve_run(args.resume)
-            config = load_config(run_dir / "config.yaml", args.overrides)
-            config.out_dir, config.run_name = str(run_dir.parent), run_dir.name
-        else:
-            config = load_config(args.config, args.overrides)  # no file: overrides alone (env.id=...)
-            if config.run_dir.exists() and any(config.run_dir.iterdir()):
-                if not args.overwrite:
-                    raise ConfigError(
-                        f"run folder {config.run_dir} exists: continue it with --resume {config.run_dir}, "
-                        "start over with --overwrite, or pick another run_name=..."
-                    )
-                shutil.rmtree(config.run_dir)
-    except ConfigError as e:
-        console.print(f"[red]{e}[/red]")
-        return 2
+    # A ConfigError here is reported by `reflow.cli.main` as one line with exit code 2.
+    if args.resume:
+        run_dir = resolve_run(args.resume)
+        config = load_config(run_dir / "config.yaml", args.overrides)
+        config.out_dir, config.run_name = str(run_dir.parent), run_dir.name
+    else:
+        config = load_config(args.config, args.overrides)  # no file: overrides alone (env.id=...)
+        if config.run_dir.exists() and any(config.run_dir.iterdir()):
+            if not args.overwrite:
+                raise ConfigError(
+                    f"run folder {config.run_dir} exists: continue it with --resume {config.run_dir}, "
+                    "start over with --overwrite, or pick another run_name=..."
+                )
+            shutil.rmtree(config.run_dir)
     from reflow.recipes.agent_train import train
 
     train(config, resume=bool(args.resume), console=console)

@@ -41,6 +41,8 @@ def warmstart_key(config: RunConfig) -> str:
         "builder": BUILDER_VERSION,
         "demo_seeds": DEMO_SEED_BASE,
     }
+    if config.warmstart.dev_tasks:  # early stopping evaluates on the RL env: its kwargs shape the model
+        blob["dev_env_kwargs"] = config.env.kwargs
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -77,6 +79,10 @@ def run_warmstart(config: RunConfig, log: RunLog) -> str:
         demo_env_kwargs=ws.demo_env_kwargs or None,
         eval_episodes=0,  # the RL loop's step-0 evaluation measures the warm-start level
         seed=config.warmstart.seed,
+        dev_tasks=ws.dev_tasks,
+        dev_every=ws.dev_every,
+        patience=ws.patience,
+        dev_env_kwargs=config.env.kwargs,
         log=lambda msg: log.console.print(f"  {msg}"),
     )
     shutil.rmtree(out, ignore_errors=True)

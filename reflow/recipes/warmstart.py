@@ -18,13 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from reflow.config import WarmstartSection
+from reflow.engine import SamplingParams
 from reflow.env import make, play_episode, scripted_policy
 from reflow.records import Segment
-from reflow.rollout.collect import DEMO_SEED_BASE, evaluate
-from reflow.rollout.episode import EpisodeRunner
+from reflow.rollout.collect import DEMO_SEED_BASE, EVAL_SEED_BASE, collect, summarize
+from reflow.rollout.episode import EpisodeRunner, RolloutConfig
 
 DEFAULTS = WarmstartSection()
 """The warm-start defaults of `agent-train`'s config, shared by `warmstart()` and `reflow warmstart`."""
+DEV_SEED_BASE = DEMO_SEED_BASE + 500_000
+"""The dev set of early stopping: task seeds from here on, apart from the demonstrations' (from
+DEMO_SEED_BASE), the RL phase's (below EVAL_SEED_BASE) and the held-out set's (from EVAL_SEED_BASE)."""
 
 
 async def demo_rows(
@@ -96,8 +100,16 @@ def warmstart(
     demo_env_kwargs: dict[str, Any] | None = None,
     eval_episodes: int = 100,
     seed: int = DEFAULTS.seed,
+    dev_tasks: int = DEFAULTS.dev_tasks,
+    dev_every: int = DEFAULTS.dev_every,
+    patience: int = DEFAULTS.patience,
+    dev_env_kwargs: dict[str, Any] | None = None,
     log: Any = print,
 ) -> dict[str, Any]:
+    """SFT on the demonstrations to `max_steps` (or the `seconds` cap); with `dev_tasks` > 0, stop
+    early on greedy success over a dev set of the RL env (`dev_env_kwargs`, e.g. the run's
+    env.kwargs), evaluated every `dev_every` steps: after `patience` evaluations without a better one,
+    ending with the best weights."""
     import torch
 
     from reflow.engine.torch_engine import TorchEngine
@@ -121,10 +133,44 @@ def warmstart(
     n_tokens = sum(len(r.token_ids) for r in rows)
     log(f"{len(rows)} demo rows, {n_tokens} tokens ({sum(r.n_sampled for r in rows)} trained on)")
     config = SFTConfig(
-        lr=lr, max_steps=max_steps, max_seconds=seconds, batch_tokens=batch_tokens, seed=seed, log_every=50
+        lr=lr,
+        max_steps=max_steps,
+        max_seconds=seconds,
+        batch_tokens=batch_tokens,
+        seed=seed,
+        log_every=50,
+        patience=patience if dev_tasks else 0,
     )
-    report = sft_train(model, rows, tokenizer.pad_token_id, config, log=log)
-    stopped_by = "steps" if report.steps >= max_steps else "seconds"
+
+    def dev_success(step: int) -> dict[str, Any]:
+        result = asyncio.run(held_out(dev_tasks, DEV_SEED_BASE, dev_env_kwargs))
+        log(f"step {step}: dev greedy success {result['success_rate']:.1%} ({dev_tasks} tasks)")
+        return {"success_rate": result["success_rate"]}
+
+    async def held_out(episodes: int, first_seed: int, env_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+        engine = TorchEngine(model, tokenizer, max_batch_size=32)
+        runner = EpisodeRunner(
+            engine, tokenizer, RolloutConfig(sampling=SamplingParams(max_new_tokens=128, temperature=0.0))
+        )
+        begin = time.monotonic()
+        try:
+            records = await collect(runner, env_id, episodes, seed=first_seed, env_kwargs=env_kwargs)
+        finally:
+            await engine.close()
+        return summarize(records, time.monotonic() - begin)
+
+    report = sft_train(
+        model,
+        rows,
+        tokenizer.pad_token_id,
+        config,
+        evaluate=dev_success if dev_tasks else None,
+        eval_every=dev_every,
+        log=log,
+    )
+    if report.stopped_early:
+        log(f"early stop at step {report.steps}: the best dev success was at step {report.best_step}")
+    stopped_by = "dev" if report.stopped_early else "steps" if report.steps >= max_steps else "seconds"
     if stopped_by == "seconds":  # a slow machine: the model is short of what its step budget gives
         log(f"warning: SFT stopped by its {seconds:.0f}s time cap at step {report.steps} of {max_steps}")
     out = Path(out_dir)
@@ -132,14 +178,7 @@ def warmstart(
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
 
-    async def held_out() -> dict[str, Any]:
-        engine = TorchEngine(model, tokenizer, max_batch_size=32)
-        try:
-            return await evaluate(engine, tokenizer, env_id, eval_episodes)
-        finally:
-            await engine.close()
-
-    result = asyncio.run(held_out()) if eval_episodes else {}
+    result = asyncio.run(held_out(eval_episodes, EVAL_SEED_BASE, dev_env_kwargs)) if eval_episodes else {}
     summary = {
         "env": env_id,
         "model": str(out),
@@ -147,6 +186,8 @@ def warmstart(
         "sft_steps": report.steps,
         "sft_max_steps": max_steps,
         "stopped_by": stopped_by,
+        "best_step": report.best_step,
+        "dev": report.evals,
         "sft_seconds": round(report.seconds, 1),
         "final_loss": round(sum(report.losses[-20:]) / max(1, len(report.losses[-20:])), 4),
         "heldout_success": result.get("success_rate"),
@@ -193,13 +234,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="JSON of env kwargs for the demonstrations only (a curriculum); default: the env's own "
         "`demo_kwargs` (Calc-v0: 1-2-step problems); '{}' for none",
     )
+    p.add_argument(
+        "--dev-tasks",
+        type=int,
+        default=DEFAULTS.dev_tasks,
+        help="early stopping on greedy success over this many dev tasks (0: train to the budget)",
+    )
+    p.add_argument(
+        "--dev-every", type=int, default=DEFAULTS.dev_every, help="SFT steps between dev evaluations"
+    )
+    p.add_argument(
+        "--patience", type=int, default=DEFAULTS.patience, help="dev evaluations without a better one"
+    )
+    p.add_argument(
+        "--env-kwargs",
+        type=json.loads,
+        default=None,
+        help="JSON of env kwargs of the dev and held-out evaluations (the RL env); default: the env's defaults",
+    )
     p.add_argument("--eval-episodes", type=int, default=100)
     p.add_argument("--seed", type=int, default=DEFAULTS.seed)
     p.set_defaults(fn=cmd_warmstart)
 
 
 def cmd_warmstart(args: argparse.Namespace) -> int:
-    from reflow.cli import console
+    from reflow.console import console
 
     out = args.out or f"runs/warmstart-{args.env.split('/')[-1].lower()}"
     summary = warmstart(
@@ -216,6 +275,10 @@ def cmd_warmstart(args: argparse.Namespace) -> int:
         demo_env_kwargs=args.demo_env_kwargs,
         eval_episodes=args.eval_episodes,
         seed=args.seed,
+        dev_tasks=args.dev_tasks,
+        dev_every=args.dev_every,
+        patience=args.patience,
+        dev_env_kwargs=args.env_kwargs,
         log=console.print,
     )
     console.print(

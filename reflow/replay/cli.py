@@ -17,6 +17,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from reflow.errors import CommandError, UsageError
+
 STORE_FILE = "replay.sqlite"
 
 
@@ -26,8 +28,8 @@ def _console() -> Any:
     return Console(width=None if sys.stdout.isatty() else 150)
 
 
-class RunNotFound(Exception):
-    pass
+class RunNotFound(UsageError):
+    """RUN names no replay store, or not one run of it (`reflow.cli.main` reports it, exit code 2)."""
 
 
 def resolve_store(run: str) -> Path:
@@ -145,11 +147,7 @@ def print_stats(stats: dict[str, Any]) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    try:
-        store = open_store(args.run, args.run_name)
-    except RunNotFound as e:
-        _console().print(f"[red]error:[/red] {e}")
-        return 2
+    store = open_store(args.run, args.run_name)
     with store:
         stats = store.stats()
     if args.json:
@@ -161,18 +159,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     console = _console()
-    try:
-        store = open_store(args.run, args.run_name)
-    except RunNotFound as e:
-        console.print(f"[red]error:[/red] {e}")
-        return 2
+    store = open_store(args.run, args.run_name)
     out = Path(args.out) if args.out else store.path.parent / f"replay-{store.run}.{args.format}"
     with store:
         try:
             path = store.export(out, args.format)
         except RuntimeError as e:  # no pyarrow
-            console.print(f"[red]error:[/red] {e}")
-            return 1
+            raise CommandError(str(e)) from None
         n = store.stats()["episodes"]
     console.print(f"exported {n} episodes of run {store.run} to {path}")
     return 0

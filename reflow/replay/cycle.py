@@ -3,7 +3,8 @@
 This module owns the data policy on top of `ReplayStore` (which only answers queries):
 
 - `AdmissionControl`, AReaL's staleness bound for async mode: a new group may start only while
-  accepted + in-flight groups stay below (eta + v + 1) * B. With eta = 0 that is exactly sync.
+  the groups not yet trained plus those in flight stay below (eta + 1) * B, counted from the weights
+  the engines confirmed. With eta = 0 that is exactly sync.
 - `plan_batch` / `consume`, the dual cycle: fresh groups first, in arrival order, each trained on
   once; when fresh supply is short, replayed groups (age <= tau_max versions, at most K uses in all)
   fill the batch up to the replay share, so the trainer does not idle.
@@ -50,6 +51,9 @@ class CycleConfig:
     """IS health: a masked-token fraction above this -> share down."""
     kl_max: float = 0.05
     """IS health: a behaviour-vs-current KL above this -> share down."""
+    ess_min: float = 0.5
+    """IS health: a normalised effective sample size of the weights pi_prox / pi_behav below this
+    -> share down (ESS falls before the masked fraction rises when staleness starts to hurt)."""
     prefer_spread: bool = True
     """Rank replay candidates by reward spread (largest first), then newest; False: newest only.
     Zero-spread groups are never replayed either way."""
@@ -64,10 +68,13 @@ class CycleConfig:
                 "need 0 <= share_min <= share_init <= share_max <= 1, got "
                 f"share_min={self.share_min}, share_init={self.share_init}, share_max={self.share_max}"
             )
-        for name in ("share_step", "wait_high_s", "masked_frac_max", "kl_max"):
+        for name in ("share_step", "wait_high_s", "masked_frac_max", "kl_max", "ess_min"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        for name in ("share_step", "masked_frac_max", "ess_min"):  # fractions
+            if getattr(self, name) > 1:
+                raise ValueError(f"{name} must be within [0, 1], got {getattr(self, name)}")
 
 
 # ---- admission control (async mode)
@@ -81,21 +88,30 @@ def accepted_groups(store: ReplayStore, *, count_zero_spread: bool = False) -> i
 
 
 class AdmissionControl:
-    """AReaL-style staleness bound: a new group may start while accepted + in_flight < (eta + v + 1) * B.
+    """AReaL-style staleness bound: a new group may start while accepted + in_flight < (eta + 1) * B +
+    trained, i.e. while the groups not yet trained plus those in flight stay below (eta + 1) * B.
 
-    v is the current policy version (trainer steps done), B the groups per train step, `accepted` the
-    groups ever accepted in this run (`accepted_groups`), `in_flight` those started and not yet
-    stored or dropped. The bound is on how far generation runs ahead: the n-th accepted group (in
-    start order, from 0) starts with weights of version >= n // B - eta. With a trainer taking B fresh
-    groups per step, groups that arrive in start order are trained at most eta versions stale; a
-    straggler overtaken by later groups can be staler (as in AReaL: the decoupled loss corrects
-    for it and the staleness metric shows it). eta = 0 is sync: B accepted groups per version, each
-    generated with the current weights (replacements for zero-spread ones included), nothing in
+    B is the groups per train step, `accepted` the groups ever accepted in this run
+    (`accepted_groups`), `in_flight` those started and not yet stored or dropped, and `trained` the
+    fresh groups trained by the first v steps, where v is the version the engines have confirmed
+    (the oldest weights a new group may be generated with). When every step trains B fresh groups
+    (sync and async mode) trained = v * B, the default, and the bound reads accepted + in_flight <
+    (eta + v + 1) * B: the n-th accepted group (in start order, from 0) starts with weights of
+    version >= n // B - eta. Counting v from the engines' confirmed weights, not the trainer's, keeps
+    a group started while new weights are still on their way from being one version staler.
+
+    What it bounds (staleness = the trainer's version at the update - the version that generated
+    the group): a group that arrives in start order is trained at most `max_fresh_staleness`
+    versions stale: eta when every step trains B fresh groups (async); in reflow mode a step may go
+    ahead with as few as B - floor(share_max * B) fresh groups (replay fills the rest, the trainer
+    does not wait), so a group still in flight then is trained at a later step. A straggler
+    overtaken by later groups can be staler (as in AReaL: the decoupled loss corrects for it and
+    the staleness metric shows it). eta = 0 in async mode is sync: B accepted groups per version,
+    each generated with the current weights (replacements for zero-spread ones included), nothing in
     flight when the trainer steps, and no group for version v + 1 before it has.
 
     The bound holds when one place (the driver) checks `room` and registers each start
-    (`ReplayStore.begin_group`) before checking again. In reflow mode steps that fill with replay
-    consume fewer than B fresh groups, so the same formula there bounds generation less tightly.
+    (`ReplayStore.begin_group`) before checking again.
     """
 
     def __init__(self, eta: int, groups_per_step: int, *, count_zero_spread: bool = False) -> None:
@@ -107,18 +123,33 @@ class AdmissionControl:
         self.groups_per_step = groups_per_step
         self.count_zero_spread = count_zero_spread
 
-    def capacity(self, version: int) -> int:
-        """How many groups may have been accepted or be in flight at this version: (eta + v + 1) * B."""
+    def capacity(self, version: int, trained: int | None = None) -> int:
+        """How many groups may have been accepted or be in flight while the engines have `version`:
+        (eta + 1) * B + trained (default trained: version * B, each step trained B fresh groups)."""
         if version < 0:
             raise ValueError(f"policy version must be >= 0, got {version}")
-        return (self.eta + version + 1) * self.groups_per_step
+        if trained is None:
+            trained = version * self.groups_per_step
+        if trained < 0:
+            raise ValueError(f"trained groups must be >= 0, got {trained}")
+        return (self.eta + 1) * self.groups_per_step + trained
 
-    def room(self, version: int, accepted: int, in_flight: int) -> int:
+    def room(self, version: int, accepted: int, in_flight: int, trained: int | None = None) -> int:
         """How many more groups may start now (>= 0)."""
-        return max(0, self.capacity(version) - accepted - in_flight)
+        return max(0, self.capacity(version, trained) - accepted - in_flight)
 
-    def may_start(self, version: int, accepted: int, in_flight: int) -> bool:
-        return self.room(version, accepted, in_flight) > 0
+    def may_start(self, version: int, accepted: int, in_flight: int, trained: int | None = None) -> bool:
+        return self.room(version, accepted, in_flight, trained) > 0
+
+    def max_fresh_staleness(self, share_max: float = 0.0) -> int:
+        """The staleness bound of groups arriving in start order, when replay may fill up to
+        `share_max` of a batch: ceil((eta + 1) * B / m) - 1 with m = B - floor(share_max * B) the
+        fewest fresh groups a full step trains (eta when nothing is replayed)."""
+        B = self.groups_per_step
+        fewest = B - math.floor(share_max * B + _EPS)
+        if fewest < 1:
+            raise ValueError(f"share_max {share_max} lets a step train no fresh group: no bound")
+        return -(-(self.eta + 1) * B // fewest) - 1
 
     def room_in(self, store: ReplayStore, version: int) -> int:
         """`room` with accepted and in-flight counts read from the store (so it survives a resume)."""
@@ -134,11 +165,13 @@ class AdmissionControl:
 
 class ReplayShare:
     """The adaptive replay share: up when the trainer waits for data and IS health is fine, down when
-    IS health degrades (masked fraction or KL over bounds); always within [share_min, share_max].
+    IS health degrades (masked fraction or KL over bounds, ESS under its floor); always within
+    [share_min, share_max].
 
     One `update` per train step, one `share_step` at most:
-    - health degraded (masked_frac > masked_frac_max or kl > kl_max, or either not a finite number:
-      a NaN KL means something broke, so be conservative) -> down, even if the trainer waited;
+    - health degraded (masked_frac > masked_frac_max, kl > kl_max or ess < ess_min, or any of them
+      not a finite number: a NaN KL means something broke, so be conservative) -> down, even if the
+      trainer waited;
     - else the trainer waited more than wait_high_s -> up;
     - else hold. Not drift back to share_init: a trainer that no longer waits may be fed *because*
       of the replay share, and lowering it would bring the wait back (an oscillation); a share that
@@ -153,9 +186,12 @@ class ReplayShare:
         self.last_reason: str = "init"
         """Why the last update moved or held the share: "health", "wait" or "hold"."""
 
-    def update(self, step: int, *, trainer_wait_s: float, masked_frac: float, kl: float) -> float:
+    def update(
+        self, step: int, *, trainer_wait_s: float, masked_frac: float, kl: float, ess: float = 1.0
+    ) -> float:
         cfg = self.cfg
-        healthy = masked_frac <= cfg.masked_frac_max and kl <= cfg.kl_max  # False for NaN too
+        # comparisons with NaN are False: a NaN signal counts as unhealthy
+        healthy = masked_frac <= cfg.masked_frac_max and kl <= cfg.kl_max and ess >= cfg.ess_min
         if not healthy:
             share, self.last_reason = self.share - cfg.share_step, "health"
         elif trainer_wait_s > cfg.wait_high_s:
@@ -207,7 +243,8 @@ class BatchPlan:
         return len(self.replay) / self.size if self.size else 0.0
 
     def staleness(self, current_version: int) -> list[int]:
-        """Per group, in `group_ids` order: current_version - policy_version."""
+        """Per group, in `group_ids` order: current_version - policy_version, with current_version the
+        trainer's version at the update (the weights the step's gradient is taken at)."""
         return [current_version - g.policy_version for g in self.groups]
 
     def metrics(self, current_version: int) -> dict[str, float]:

@@ -5,18 +5,24 @@ token ids and the segments that repeat them compress, full-precision logprobs do
 `encode_record`), beside indexed columns (version, status, reward, lengths) that queries and `stats`
 read without decoding a blob. A `codec` column per row ("zlib" or "json") keeps files written either
 way readable.
+
+Schema versions (`PRAGMA user_version`): 1 kept per group only how often and the last step it was
+consumed; 2 adds the consumption log (`consumptions`: one row per group and trainer step), so a resumed
+run can undo the consumptions of steps its restored checkpoint never saw. `migrate` brings older files
+up on open.
 """
 
 from __future__ import annotations
 
 import json
+import sqlite3
 import zlib
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
 from reflow.records import EpisodeRecord
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS groups (
@@ -61,6 +67,15 @@ CREATE TABLE IF NOT EXISTS in_flight (
     started_at REAL NOT NULL,
     PRIMARY KEY (run, group_id)
 );
+CREATE TABLE IF NOT EXISTS consumptions (  -- the groups' consumed / last_step columns summarise it
+    run TEXT NOT NULL,
+    group_id TEXT NOT NULL,
+    step INTEGER NOT NULL,  -- the trainer step that consumed the group (trained on it, or retired it)
+    consumed_at REAL NOT NULL,  -- wall-clock seconds (time.time()) of the mark
+    PRIMARY KEY (run, group_id, step),
+    FOREIGN KEY (run, group_id) REFERENCES groups (run, group_id)
+);
+CREATE INDEX IF NOT EXISTS consumptions_by_step ON consumptions (run, step);
 CREATE TABLE IF NOT EXISTS cursor (
     run TEXT NOT NULL,
     key TEXT NOT NULL,
@@ -81,6 +96,14 @@ EPISODE_COLS = (
 
 GROUP_INSERT = "run, group_id, policy_version, n_episodes, reward_spread, advantages, created_at, meta"
 
+# consumed / last_step of every group of a run, recomputed from the consumption log
+RECOUNT = """
+UPDATE groups SET
+    consumed = (SELECT COUNT(*) FROM consumptions c WHERE c.run = groups.run AND c.group_id = groups.group_id),
+    last_step = (SELECT MAX(step) FROM consumptions c WHERE c.run = groups.run AND c.group_id = groups.group_id)
+WHERE run = ?
+"""
+
 
 def episode_columns(e: EpisodeRecord) -> tuple:
     """The indexed columns of an episode row, in table order after (run, episode_id, group_seq, idx)."""
@@ -99,6 +122,25 @@ def episode_columns(e: EpisodeRecord) -> tuple:
 def statements() -> list[str]:
     # executescript would COMMIT the open transaction first; run the statements one by one inside it.
     return [s.strip() for s in _SCHEMA.split(";") if s.strip()]
+
+
+def migrate(db: sqlite3.Connection, version: int) -> None:
+    """Bring a file of schema `version` up to SCHEMA_VERSION, inside the open write transaction and after
+    `statements()` created the tables that are new. A new file (version 0) has nothing to migrate."""
+    if version < 2:
+        # Version 1 knows per group only the count and the last step. A group is consumed at most once
+        # per step, so its earlier uses were at distinct steps before last_step: log them at the
+        # latest steps they can have been. That is exact for groups used once (sync and async modes);
+        # for replayed ones a rollback then errs on handing a use out again rather than losing it.
+        rows = db.execute(
+            "SELECT run, group_id, consumed, last_step, created_at FROM groups WHERE consumed > 0"
+        ).fetchall()
+        log = [
+            (run, gid, max(last or 0, n) - i, created)
+            for run, gid, n, last, created in rows
+            for i in range(n)
+        ]
+        db.executemany("INSERT OR IGNORE INTO consumptions VALUES (?, ?, ?, ?)", log)
 
 
 def _json_default(obj: Any) -> Any:

@@ -14,7 +14,11 @@ What it keeps for the replay cycle (F5 adds the policy; this module only answers
 order (`seq`), the policy version a group was generated with, its reward spread, how often trainer steps
 consumed it and which step last did, wall-clock creation time, the GRPO advantages fixed at creation,
 the groups in flight (for admission control) and a small cursor table saved with checkpoints.
-The table layout and the record codec are in reflow/replay/schema.py.
+
+Consumption is part of a run's checkpointed state: every mark is logged per (group, step), and a run
+resumed from the checkpoint of step S undoes the marks of steps after S (`rollback_consumption`), which
+the restored weights never trained on: their groups are fresh, or replayable, again.
+The table layout, the record codec and the migrations are in reflow/replay/schema.py.
 """
 
 from __future__ import annotations
@@ -34,11 +38,13 @@ from reflow.replay.schema import (
     EPISODE_COLS,
     GROUP_COLS,
     GROUP_INSERT,
+    RECOUNT,
     SCHEMA_VERSION,
     decode_record,
     dumps,
     encode_record,
     episode_columns,
+    migrate,
     reward_spread,
     statements,
 )
@@ -102,6 +108,7 @@ class ReplayStore:
                     raise RuntimeError(
                         f"{self.path}: replay schema {version}, this ReFlow reads {SCHEMA_VERSION}"
                     )
+                migrate(self._db, version)
                 self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except BaseException:
             self._db.close()
@@ -188,15 +195,45 @@ class ReplayStore:
 
     def mark_consumed(self, group_ids: list[str], step: int) -> None:
         """One trainer step consumed these groups: consumed += 1 and last_step = step for each (a group
-        listed twice counts once), in one transaction; an unknown id raises KeyError and changes nothing."""
+        listed twice counts once), logged per (group, step), in one transaction. An unknown id raises
+        KeyError, a group this step already consumed ValueError; either way nothing changes."""
+        now = time.time()
         with self._write() as db:
             for gid in dict.fromkeys(group_ids):
                 cur = db.execute(
-                    "UPDATE groups SET consumed = consumed + 1, last_step = ? WHERE run = ? AND group_id = ?",
-                    (step, self.run, gid),
+                    "UPDATE groups SET consumed = consumed + 1, last_step = max(coalesce(last_step, ?), ?) "
+                    "WHERE run = ? AND group_id = ?",
+                    (step, step, self.run, gid),
                 )
                 if cur.rowcount != 1:
                     raise KeyError(f"no group {gid!r} in run {self.run!r}")
+                try:
+                    db.execute("INSERT INTO consumptions VALUES (?, ?, ?, ?)", (self.run, gid, step, now))
+                except sqlite3.IntegrityError:
+                    raise ValueError(f"group {gid!r} was already consumed by step {step}") from None
+
+    def rollback_consumption(self, after_step: int) -> int:
+        """Undo the consumptions by steps after `after_step` (a run resumed from that step's checkpoint,
+        0: from the start; the restored weights never saw those steps), recounting consumed and
+        last_step from the log in the same transaction. Returns how many were undone. Zero-spread
+        groups those steps retired are fresh again (the next plan retires them again); admission's
+        `accepted_groups` counts groups stored, not consumed, and does not change."""
+        if after_step < 0:
+            raise ValueError(f"after_step must be >= 0, got {after_step}")
+        with self._write() as db:
+            undone = db.execute(
+                "DELETE FROM consumptions WHERE run = ? AND step > ?", (self.run, after_step)
+            ).rowcount
+            db.execute(RECOUNT, (self.run,))
+        return undone
+
+    def consumptions(self) -> list[tuple[str, int, float]]:
+        """The consumption log of this run: (group_id, step, consumed_at) per mark, by step."""
+        with self._lock:
+            return self._db.execute(
+                "SELECT group_id, step, consumed_at FROM consumptions WHERE run = ? ORDER BY step, group_id",
+                (self.run,),
+            ).fetchall()
 
     # ---- admission control (F5): groups handed to rollout and not yet stored
 
@@ -245,6 +282,16 @@ class ReplayStore:
 
     # ---- queries
 
+    def max_meta(self, key: str) -> Any:
+        """The largest value of `meta[key]` over this run's groups (None: no group has it), e.g. the
+        last task seed used."""
+        if not key.isidentifier():
+            raise ValueError(f"meta key must be an identifier, got {key!r}")
+        with self._lock:
+            return self._db.execute(
+                "SELECT MAX(json_extract(meta, ?)) FROM groups WHERE run = ?", (f"$.{key}", self.run)
+            ).fetchone()[0]
+
     def fresh(self, limit: int | None = None) -> list[StoredGroup]:
         """Groups no trainer step consumed yet, in arrival order."""
         return self._groups("consumed = 0", (), "seq", limit)
@@ -269,10 +316,43 @@ class ReplayStore:
         return self._groups(where, (max_reuse, current_version - tau_max), order, limit)
 
     def group(self, group_id: str) -> StoredGroup:
-        found = self._groups("group_id = ?", (group_id,), "seq", 1)
-        if not found:
-            raise KeyError(f"no group {group_id!r} in run {self.run!r}")
-        return found[0]
+        return self.groups([group_id])[0]
+
+    def groups(self, group_ids: list[str]) -> list[StoredGroup]:
+        """Several groups in one read, in the order asked; a missing one raises KeyError."""
+        found: dict[str, StoredGroup] = {}
+        unique = list(dict.fromkeys(group_ids))
+        for i in range(0, len(unique), 500):
+            chunk = unique[i : i + 500]
+            marks = ",".join("?" * len(chunk))
+            found.update(
+                (g.group_id, g) for g in self._groups(f"group_id IN ({marks})", tuple(chunk), "seq", None)
+            )
+        missing = [g for g in unique if g not in found]
+        if missing:
+            raise KeyError(f"no group {missing[0]!r} in run {self.run!r}")
+        return [found[g] for g in group_ids]
+
+    def group_sizes(self, group_ids: list[str]) -> dict[str, int]:
+        """Generated tokens per group, from the index columns (no record is decoded): what trainer
+        ranks balance their shares of a batch by before each fetches only its own groups."""
+        sizes: dict[str, int] = {}
+        unique = list(dict.fromkeys(group_ids))
+        with self._lock:
+            for i in range(0, len(unique), 500):
+                chunk = unique[i : i + 500]
+                sizes.update(
+                    self._db.execute(
+                        "SELECT g.group_id, SUM(e.n_generated_tokens) FROM groups g JOIN episodes e "
+                        f"ON e.group_seq = g.seq WHERE g.run = ? AND g.group_id IN ({','.join('?' * len(chunk))}) "
+                        "GROUP BY g.seq",
+                        (self.run, *chunk),
+                    ).fetchall()
+                )
+        missing = [g for g in unique if g not in sizes]
+        if missing:
+            raise KeyError(f"no group {missing[0]!r} in run {self.run!r}")
+        return sizes
 
     def count(self, *, consumed: bool | None = None) -> int:
         """Number of groups of this run; consumed=True/False: only those consumed at least once / never."""
@@ -361,18 +441,21 @@ class ReplayStore:
 
     def _groups(self, where: str, params: tuple, order: str, limit: int | None) -> list[StoredGroup]:
         sql = f"SELECT {GROUP_COLS} FROM groups WHERE run = ? AND {where} ORDER BY {order} LIMIT ?"
+        blobs: list[tuple[int, str, bytes]] = []
         with self._read() as db:
             rows = db.execute(sql, (self.run, *params, -1 if limit is None else limit)).fetchall()
-            by_seq: dict[int, list[EpisodeRecord]] = {r[0]: [] for r in rows}
-            seqs = list(by_seq)
+            seqs = [r[0] for r in rows]
             for i in range(0, len(seqs), 500):
                 chunk = seqs[i : i + 500]
-                for seq, codec, blob in db.execute(
+                blobs += db.execute(
                     f"SELECT group_seq, codec, record FROM episodes WHERE group_seq IN ({','.join('?' * len(chunk))}) "
                     "ORDER BY group_seq, idx",
                     chunk,
-                ):
-                    by_seq[seq].append(EpisodeRecord.from_dict(decode_record(codec, blob)))
+                ).fetchall()
+        # Decoding (zlib + JSON) runs outside the lock: readers in other threads are not held up by it.
+        by_seq: dict[int, list[EpisodeRecord]] = {seq: [] for seq in seqs}
+        for seq, codec, blob in blobs:
+            by_seq[seq].append(EpisodeRecord.from_dict(decode_record(codec, blob)))
         out = []
         for seq, run, gid, version, n, spread, adv, consumed, last_step, created, meta in rows:
             if len(by_seq[seq]) != n:  # cannot happen short of file corruption: fail loudly

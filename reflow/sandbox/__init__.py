@@ -10,6 +10,7 @@
 Nothing here imports torch, transformers or ray; the Docker SDK is imported only when used.
 """
 
+from reflow.sandbox.agent_tools import sandbox_tools
 from reflow.sandbox.base import (
     TOOLS,
     BaseSandbox,
@@ -32,7 +33,6 @@ from reflow.sandbox.pool import PoolExhausted, SandboxPool
 from reflow.sandbox.process_sandbox import ProcessSandbox
 from reflow.sandbox.reaper import reap
 from reflow.sandbox.session import SandboxSession
-from reflow.sandbox.tools import sandbox_tools
 
 __all__ = [
     "DEFAULT_IMAGE",

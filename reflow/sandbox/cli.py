@@ -10,6 +10,8 @@ import json
 import sys
 from typing import Any
 
+from reflow.errors import CommandError
+
 
 def _console() -> Any:
     from rich.console import Console
@@ -24,8 +26,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     try:
         result = build_image(args.method, suite=args.suite, mirror=args.mirror, force=args.force)
     except BuildError as e:
-        console.print(f"[red]build failed:[/red] {e}")
-        return 1
+        raise CommandError(f"sandbox build failed: {e}") from None
     verb = "cached" if result.cached else f"built with {result.method}"
     console.print(
         f"{result.image} ({verb}, recipe {result.recipe_hash}, {result.size_mb:.0f} MB, {result.seconds:.1f}s)"
@@ -43,16 +44,26 @@ def cmd_dockerfile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _docker() -> Any:
+    """The Docker client, or a CommandError that says no engine answers."""
+    from reflow.sandbox.base import SandboxError
+    from reflow.sandbox.docker_sandbox import shared_client
+
+    try:
+        return shared_client()
+    except SandboxError as e:
+        raise CommandError(f"no Docker engine to talk to: {e}") from None
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from reflow.sandbox.docker_sandbox import shared_client
     from reflow.sandbox.reaper import PID_LABEL, POOL_LABEL, list_sandboxes, owner_status
 
     table = Table(title="ReFlow sandbox containers")
     for col in ("id", "status", "owner pid", "owner", "pool", "image"):
         table.add_column(col)
-    for c in list_sandboxes(shared_client()):
+    for c in list_sandboxes(_docker()):
         labels = c.labels or {}
         image = ",".join(c.image.tags) if c.image else "?"
         table.add_row(
@@ -68,11 +79,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_reap(args: argparse.Namespace) -> int:
-    from reflow.sandbox.docker_sandbox import shared_client
     from reflow.sandbox.reaper import reap
 
     reaped = reap(
-        shared_client(),
+        _docker(),
         everything=args.all,
         other_hosts=args.other_hosts,
         older_than_s=args.older_than,

@@ -73,15 +73,26 @@ def write_policy(state_dict: dict[str, Any], model_path: str, out: Path) -> Path
     return out
 
 
-async def push_weights(
-    engine: Any, config: RunConfig, model_path: str, index: int, state_dict: dict[str, Any], version: int
+async def load_policy(
+    engine: Any,
+    config: RunConfig,
+    model_path: str,
+    index: int,
+    state_dict: dict[str, Any],
+    version: int,
+    *,
+    rewind: bool = False,
 ) -> int:
-    """Give the engine the policy of `version`: copied in (torch), or written and loaded from disk."""
+    """Give the engine the policy of `version`: copied in (torch), or written and loaded from disk.
+    Returns the version the engine confirms; an older version than the engine's is refused
+    (ValueError) unless `rewind`."""
     if config.engine.kind == "torch":
-        return await engine.update_weights(state_dict=state_dict, version=version)
+        return await engine.update_weights(state_dict=state_dict, version=version, rewind=rewind)
+    if version < engine.weight_version and not rewind:  # refused before writing a folder for nothing
+        raise ValueError(f"weight version {version} is older than the engine's ({engine.weight_version})")
     root = weights_dir(config, index)
     folder = write_policy(state_dict, model_path, root / f"v{version:06d}")
-    new_version = await engine.update_weights(path=str(folder.resolve()), version=version)
+    new_version = await engine.update_weights(path=str(folder.resolve()), version=version, rewind=rewind)
     for old in root.glob("v*"):  # the servers hold the weights now; keep only the newest folder
         if old != folder:
             shutil.rmtree(old, ignore_errors=True)

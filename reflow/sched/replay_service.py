@@ -6,6 +6,7 @@ the records from this actor themselves.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from reflow.config import RunConfig
@@ -16,7 +17,7 @@ from reflow.replay.cycle import CycleConfig, accepted_groups, consume, plan_batc
 def cycle_config(config: RunConfig) -> CycleConfig:
     """The dual-cycle settings of `replay:` (every field but the async bound `eta`, which is the
     driver's admission control)."""
-    return CycleConfig(**config.replay.model_dump(exclude={"eta"}))
+    return config.replay.cycle()
 
 
 @dataclass
@@ -26,10 +27,17 @@ class PlannedBatch:
     metrics: dict[str, float]
 
 
+REPLAY_THREADS = 8
+"""Calls the replay actor serves at once (a threaded Ray actor): writers, the planner and trainer
+ranks reading their shares do not queue behind one another. The store serialises its SQL under one
+lock and decodes records outside it."""
+
+
 class ReplayService(ReplayStore):
     def __init__(self, path: str, run: str, cycle: CycleConfig) -> None:
         super().__init__(path, run)
         self.cycle = cycle
+        self._planning = threading.Lock()  # a plan and its consumption are one step, never interleaved
 
     def plan_and_consume(
         self, want: int, current_version: int, share: float, allow_replay: bool, step: int
@@ -37,20 +45,22 @@ class ReplayService(ReplayStore):
         """Plan a batch of `want` groups (fresh first, replay to fill when allowed); when it is full,
         mark it consumed by `step` at once (so no other plan takes the same fresh groups) and return
         it, else None (the caller waits for more rollouts). Zero-spread fresh groups passed over are
-        retired either way."""
-        plan = plan_batch(
-            self,
-            want=want,
-            current_version=current_version,
-            share=share,
-            cfg=self.cycle,
-            allow_replay=allow_replay,
-        )
-        if plan.size < want:
-            if plan.skipped:
-                self.mark_consumed([g.group_id for g in plan.skipped], step)
-            return None
-        consume(self, plan, step)
+        retired either way. Marked before the step trains: if the run dies before a checkpoint at
+        `step` or later, the resumed run undoes the marks (`rollback_consumption`)."""
+        with self._planning:
+            plan = plan_batch(
+                self,
+                want=want,
+                current_version=current_version,
+                share=share,
+                cfg=self.cycle,
+                allow_replay=allow_replay,
+            )
+            if plan.size < want:
+                if plan.skipped:
+                    self.mark_consumed([g.group_id for g in plan.skipped], step)
+                return None
+            consume(self, plan, step)
         return PlannedBatch(plan.group_ids, plan.staleness(current_version), plan.metrics(current_version))
 
     def accepted(self) -> int:

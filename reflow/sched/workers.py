@@ -145,30 +145,55 @@ class RolloutWorker:
         ids = group_ids or [None] * len(seeds)
         return list(await asyncio.gather(*(one(s, g) for s, g in zip(seeds, ids, strict=True))))
 
-    async def update_weights(self, state_dict: dict[str, Any], version: int) -> int:
-        from reflow.sched.engines import push_weights
+    async def update_weights(self, state_dict: dict[str, Any], version: int, rewind: bool = False) -> int:
+        """Load the policy of `version` into the engine; returns the version the engine confirms. An older
+        version than the engine's is refused (ValueError) unless `rewind` (a snapshot evaluated after
+        the run): calls to this async actor are not ordered, the loop orders them (`WeightPusher`)."""
+        from reflow.sched.engines import load_policy
 
-        return await push_weights(self.engine, self.config, self.model_path, self.index, state_dict, version)
+        return await load_policy(
+            self.engine, self.config, self.model_path, self.index, state_dict, version, rewind=rewind
+        )
+
+    async def _held_out(
+        self, episodes: int, seed: int, temperature: float, samples: int
+    ) -> list[EpisodeRecord]:
+        """`samples` episodes on each of `episodes` held-out tasks (task seeds from `seed`), at
+        `temperature` (0: greedy), on `eval.env_kwargs` (None: the env's kwargs)."""
+        from reflow.rollout.collect import collect
+
+        ev = self.config.eval
+        sampling = _sampling(self.config, temperature=temperature, max_new_tokens=ev.max_new_tokens)
+        runner = EpisodeRunner(self.engine, self.tokenizer, RolloutConfig(sampling=sampling))
+        return await collect(
+            runner,
+            self.config.env.id,
+            episodes * samples,
+            group_size=samples,
+            seed=seed,
+            concurrency=self.config.rollout.max_batch_size,
+            env_kwargs=self.config.env.kwargs if ev.env_kwargs is None else ev.env_kwargs,
+        )
+
+    async def headroom(self, episodes: int, seed: int, k: int) -> dict[str, Any]:
+        """On `episodes` held-out tasks: one greedy episode and `k` at the rollout's temperature each;
+        greedy success, mean@k sampled success, pass@k and the RL headroom (`rl_headroom`, as
+        `reflow rollout --eval --pass-at K` reports them)."""
+        from reflow.rollout.collect import rl_headroom
+
+        start = time.monotonic()
+        greedy = await self._held_out(episodes, seed, 0.0, 1)
+        sampled = await self._held_out(episodes, seed, self.config.rollout.temperature, k)
+        return {**rl_headroom(greedy, sampled), "seconds": time.monotonic() - start}
 
     async def evaluate(self, episodes: int, seed: int) -> dict[str, Any]:
         """Success on the fixed held-out task set (task seeds from `seed`): greedy, or with
         `eval.temperature` > 0 the mean over `eval.samples` sampled episodes per task."""
-        from reflow.rollout.collect import collect, summarize
+        from reflow.rollout.collect import summarize
 
         ev = self.config.eval
-        sampling = _sampling(self.config, temperature=ev.temperature, max_new_tokens=ev.max_new_tokens)
-        runner = EpisodeRunner(self.engine, self.tokenizer, RolloutConfig(sampling=sampling))
         start = time.monotonic()
-        env_kwargs = self.config.env.kwargs if ev.env_kwargs is None else ev.env_kwargs
-        records = await collect(
-            runner,
-            self.config.env.id,
-            episodes * ev.samples,
-            group_size=ev.samples,
-            seed=seed,
-            concurrency=self.config.rollout.max_batch_size,
-            env_kwargs=env_kwargs,
-        )
+        records = await self._held_out(episodes, seed, ev.temperature, ev.samples)
         return {
             **summarize(records, time.monotonic() - start),
             "tasks": episodes,
@@ -199,7 +224,6 @@ class TrainerRank:
         from transformers.utils import logging as hf_logging
 
         from reflow.models import load_model
-        from reflow.train.losses import LossConfig
         from reflow.train.trainer import PolicyTrainer, TrainerConfig, init_distributed
 
         hf_logging.disable_progress_bar()  # a progress bar per checkpoint save is noise in the run log
@@ -224,20 +248,71 @@ class TrainerRank:
                 minibatches=t.minibatches,
                 epochs=t.epochs,
                 prox_logp=t.prox_logp,
-                loss=LossConfig(**t.loss.model_dump()),
-                behaviour_is_prox=config.mode == "sync",
+                loss=t.loss,
+                behaviour_is_prox=config.mode == "sync" and not t.engine_correction,
                 temperature=config.rollout.temperature or 1.0,
                 bf16=t.bf16,
                 seed=config.seed,
             ),
         )
 
-    def train_step(self, group_ids: list[str], step: int) -> dict[str, float]:
-        from reflow.train.batch import rows_from_groups, shard_rows
+    def prepare(self) -> None:
+        """Import what `setup` needs (torch, transformers, the trainer): a rank started by a role change
+        is a ready process before the group forms, so its start is timed as actor start, not re-form."""
+        import torch.distributed.fsdp  # noqa: F401
+        import transformers  # noqa: F401
 
-        groups = ray.get([self.replay.group.remote(g) for g in group_ids])
-        rows = shard_rows(rows_from_groups(groups), self.world_size)[self.rank]
-        return self.trainer.train_step(rows, step=step)
+        import reflow.models
+        import reflow.train.trainer  # noqa: F401
+
+    def leave(self) -> None:
+        """Leave the process group (every rank does, before a new group forms: `reform`)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def reform(self, rank: int, world_size: int, master: tuple[str, int] | None = None) -> None:
+        """Join a new group as `rank` of `world_size` (the elastic pool's role change): leave the old one,
+        rebuild the model from the model path and shard it anew (an FSDP2 module cannot be re-sharded
+        in place). The current weights and optimizer state come after (`load_full_state`)."""
+        self.leave()
+        self.rank, self.world_size = rank, world_size
+        self.trainer = None  # the old sharded model goes before the new one is built
+        self.setup(master)
+
+    def full_state(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """(full weights, the rest: optimizer state, step, version, the trainer's RNG) on rank 0, (None,
+        None) elsewhere; collective: call on every rank. The optimizer state is keyed by parameter
+        name whatever the world size, so a group of another size loads it (`load_full_state`)."""
+        t = self.trainer
+        model, optim = t.full_state_dict(), t.optimizer_state()
+        if self.rank != 0:
+            return None, None
+        rest = {"optimizer": optim, "step": t.step, "version": t.version, "rng": t.rng.getstate()}
+        return model, rest
+
+    def load_full_state(self, model: dict[str, Any], rest: dict[str, Any]) -> int:
+        """Load what `full_state` returned (every rank gets the full state); returns the version."""
+        t = self.trainer
+        t.load_state(model, rest["optimizer"])
+        t.step, t.version = rest["step"], rest["version"]
+        t.rng.setstate(rest["rng"])  # as a checkpoint restores it: every rank takes rank 0's
+        return t.version
+
+    def train_step(self, group_ids: list[str], step: int) -> dict[str, float]:
+        """One update on the batch `group_ids`. With several ranks each fetches only its share of the
+        groups (balanced by generated tokens, the same split on every rank): the replay actor sends
+        every record once per step, not once per rank."""
+        from reflow.train.batch import rows_from_groups, shard_groups
+
+        mine = group_ids
+        if self.world_size > 1:
+            sizes = ray.get(self.replay.group_sizes.remote(group_ids))
+            shares = shard_groups([sizes[g] for g in group_ids], self.world_size)
+            mine = [group_ids[i] for i in shares[self.rank]]
+        groups = ray.get(self.replay.groups.remote(mine)) if mine else []
+        return self.trainer.train_step(rows_from_groups(groups), step=step)
 
     def state_dict(self) -> dict[str, Any] | None:
         """Full weights on rank 0 (None on the others); collective: call on every rank."""

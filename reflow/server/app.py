@@ -4,7 +4,8 @@ It owns what is the same for every route: the lifespan (the env catalog and the 
 graceful close of every session and sandbox pool on stop), the request-body limit, auth on everything
 but `/healthz` (the OpenAPI document included), and one error shape: every error answers
 `{error_kind, code, message}`. Env failures are `env`; infrastructure, capacity and timeouts `infra`;
-bad requests, validation and auth `agent`.
+bad requests, validation and auth `agent`. A method a path does not take answers 405 with an `Allow`
+header naming those it does; `OPTIONS` answers 204 with the same header.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from reflow.env import make
 from reflow.env.registration import spec_kwargs
+from reflow.server import openenv_ws
 from reflow.server.auth import OPEN_PATHS, SECURITY_SCHEME, TokenGate
 from reflow.server.routes import capacity, envs, error_response, health, sessions
 from reflow.server.schemas import ApiError, StepRequest
@@ -125,6 +128,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     for module in (health, sessions, envs, capacity):
         app.include_router(module.router)
+    app.include_router(openenv_ws.router)  # OpenEnv's /ws protocol beside ours, under /openenv/<env id>
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi() -> JSONResponse:
@@ -155,6 +159,20 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
     return doc
 
 
+_METHODS = ("DELETE", "GET", "HEAD", "PATCH", "POST", "PUT")
+
+
+def allowed_methods(app: FastAPI, scope: Scope) -> list[str]:
+    """Every method some route of `app` takes at the scope's path, and OPTIONS (answered by the 405
+    handler): each method is matched against the routes as a request with it would be."""
+    allowed = {"OPTIONS"}
+    for method in _METHODS:
+        probe = {**scope, "method": method}
+        if any(route.matches(probe)[0] == Match.FULL for route in app.router.routes):
+            allowed.add(method)
+    return sorted(allowed)
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -169,10 +187,16 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(422, "agent", "invalid_request", problems or "invalid request")
 
     @app.exception_handler(HTTPException)
-    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+    async def http_error(request: Request, e: HTTPException) -> Response:
+        headers = e.headers
+        if e.status_code == 405:
+            # Starlette's Allow names the methods of the first route that matched the path, not of the path.
+            headers = {**(headers or {}), "Allow": ", ".join(allowed_methods(request.app, request.scope))}
+            if request.method == "OPTIONS":  # asking what a path takes is a question, not an error
+                return Response(status_code=204, headers=headers)
         codes = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
         return error_response(
-            e.status_code, "agent", codes.get(e.status_code, "bad_request"), str(e.detail), e.headers
+            e.status_code, "agent", codes.get(e.status_code, "bad_request"), str(e.detail), headers
         )
 
     @app.exception_handler(Exception)

@@ -13,6 +13,7 @@ import logging
 import socket
 import sys
 
+from reflow.errors import CommandError, Parser, UsageError, report
 from reflow.server.settings import TOKEN_ENV_VAR, ServerSettings, load_token
 
 LOOPBACK_NAMES = ("localhost",)
@@ -32,21 +33,48 @@ def bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as e:  # in use, not an address of this machine, a privileged port
+        sock.close()
+        raise CommandError(f"serve-envs cannot listen on {host}:{port}: {e.strerror or e}") from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 
 
+def _env_kwargs(text: str | None) -> dict[str, dict]:
+    try:
+        kwargs = json.loads(text) if text else {}
+    except json.JSONDecodeError as e:
+        raise UsageError(f"serve-envs --env-kwargs is not valid JSON ({e})") from None
+    if not isinstance(kwargs, dict) or not all(isinstance(v, dict) for v in kwargs.values()):
+        raise UsageError('serve-envs --env-kwargs must map env ids to kwargs: {"ID": {"name": value}}')
+    return kwargs
+
+
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
-    token = load_token(args.token_file)
+    """The settings the command line asks for; a bad token, flag or value is a UsageError."""
+    try:
+        token = load_token(args.token_file)
+    except OSError as e:  # no such file, not readable
+        raise UsageError(f"serve-envs --token-file {args.token_file}: {e.strerror or e}") from None
+    except ValueError as e:  # too short, or with spaces
+        raise UsageError(f"serve-envs: {e}") from None
     if token is None and not args.no_auth:
-        raise SystemExit(
-            f"reflow serve-envs: no token; give --token-file F or set ${TOKEN_ENV_VAR} "
+        raise UsageError(
+            f"serve-envs: no token; give --token-file F or set ${TOKEN_ENV_VAR} "
             "(or --no-auth, allowed on a loopback host only)"
         )
     if args.no_auth and not is_loopback(args.host):
-        raise SystemExit(f"reflow serve-envs: --no-auth is allowed only on a loopback host, not {args.host}")
+        raise UsageError(f"serve-envs: --no-auth is allowed only on a loopback host, not {args.host}")
+    try:
+        return _settings(args, token)
+    except ValueError as e:  # a limit out of range
+        raise UsageError(f"serve-envs: {e}") from None
+
+
+def _settings(args: argparse.Namespace, token: str | None) -> ServerSettings:
     return ServerSettings(
         token=None if args.no_auth else token,
         no_auth=args.no_auth,
@@ -59,17 +87,22 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         reaper_interval_s=min(5.0, args.idle_timeout / 4),
         shutdown_grace_s=args.shutdown_grace,
         env_ids=args.env or None,
-        env_kwargs=json.loads(args.env_kwargs) if args.env_kwargs else {},
+        env_kwargs=_env_kwargs(args.env_kwargs),
         client_env_kwargs=frozenset(args.allow_client_kwarg or ()),
     )
 
 
 def cmd_serve_envs(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from reflow.server.app import create_app
-
     settings = settings_from_args(args)
+    try:
+        import uvicorn
+
+        from reflow.server.app import create_app
+    except ImportError as e:
+        raise CommandError(
+            f"serve-envs needs the server extra (pip install 'reflow-rl[server]'): {e}"
+        ) from None
+
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -103,7 +136,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="serve every registered env over HTTP (needs the server extra)",
         description=(
             "Serve the registered envs with the session protocol (POST /v1/sessions, .../step, GET/DELETE "
-            f"/v1/sessions/ID, /v1/envs, /v1/capacity, /healthz). Auth: a bearer token from --token-file or "
+            f"/v1/sessions/ID, /v1/envs, /v1/capacity, /healthz) and, for OpenEnv clients, OpenEnv's /ws "
+            "protocol under /openenv/ENV_ID. Auth: a bearer token from --token-file or "
             f"${TOKEN_ENV_VAR}; without one it refuses to start unless --no-auth is given, and --no-auth "
             "works only on a loopback host. Binds to 127.0.0.1 unless --host says otherwise."
         ),
@@ -132,10 +166,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m reflow.server.cli ...`: the same as `reflow serve-envs ...`."""
-    parser = argparse.ArgumentParser(prog="reflow")
+    parser = Parser(prog="reflow")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["serve-envs", *(sys.argv[1:] if argv is None else argv)])
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except (Exception, KeyboardInterrupt) as e:  # one line and an exit code, as `reflow` reports them
+        return report(e)
 
 
 if __name__ == "__main__":

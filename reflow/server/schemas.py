@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from reflow.env import AssistantTurn, ToolCall
 
@@ -66,13 +66,31 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+JSON_SAFE_INT = 2**53 - 1
+"""The largest integer every JSON parser reads exactly (I-JSON, RFC 7493); past it 2**63 - 1 arrives as
+a float that rounds to 2**63."""
+
+
+class _Request(_Model):
+    """A request body: strict types, so that what the OpenAPI document says is all that is accepted
+    (pydantic's default would read `false` as 0 and `"5"` as 5 where an integer is asked for)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _json_integer(value: Any) -> Any:
+    """A `mode="before"` validator of integer fields: JSON Schema's integer (what the document declares)
+    is a number without a fractional part, so 3.0 is one; true and "3" are not (strict mode refuses them)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 class ErrorBody(_Model):
     error_kind: ErrorKind
     code: str = Field(description="a short machine-readable name, e.g. session_not_found")
     message: str
 
 
-class WireToolCall(_Model):
+class WireToolCall(_Request):
     name: str | None = Field(None, max_length=256)
     arguments: dict[str, Any] = Field(default_factory=dict)
     raw: str = ""
@@ -80,7 +98,7 @@ class WireToolCall(_Model):
     parse_error: str | None = None
 
 
-class WireTurn(_Model):
+class WireTurn(_Request):
     """`reflow.env.AssistantTurn` on the wire."""
 
     content: str = ""
@@ -94,16 +112,20 @@ class WireTurn(_Model):
         return AssistantTurn(self.content, calls, self.reasoning, self.finish_reason, self.raw_text)
 
 
-class CreateSession(_Model):
+class CreateSession(_Request):
     env_id: str = Field(max_length=200, description="a served env id (GET /v1/envs)")
     task: dict[str, Any] | None = Field(None, description="an explicit task; else the env picks by seed")
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    seed: int | None = Field(
+        None, ge=-JSON_SAFE_INT, le=JSON_SAFE_INT, description="chooses the task when none is given"
+    )
     deadline_s: float | None = Field(
         None, gt=0, le=86400, description="wall-clock budget from now, sandbox start included"
     )
     env_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="constructor kwargs, only those the server allows clients"
     )
+
+    _seed = field_validator("seed", mode="before")(_json_integer)
 
 
 class ObservationBody(_Model):
@@ -134,9 +156,11 @@ class SessionCreated(SessionBody):
     observation: ObservationBody
 
 
-class StepRequest(_Model):
+class StepRequest(_Request):
     turn_index: int = Field(ge=0, le=1_000_000, description="0 for the first step; a retry repeats it")
     turn: WireTurn
+
+    _turn_index = field_validator("turn_index", mode="before")(_json_integer)
 
 
 class StepResponse(_Model):

@@ -44,8 +44,10 @@ def served_env_ids(settings: ServerSettings) -> list[str]:
     """What the server offers: the configured ids, or every registered env except client proxies."""
     if settings.env_ids is not None:
         return list(settings.env_ids)
-    # A served proxy (reflow/Remote-v0) would let any client make the server call any URL.
-    return [e for e in env_ids() if not spec_kwargs(e)["env_entry_point"].startswith("reflow.server.")]
+    # A served proxy (reflow/Remote-v0, the interop adapters) would let any client make the server call
+    # any URL or start any program.
+    proxies = ("reflow.server.", "reflow.interop.")
+    return [e for e in env_ids() if not spec_kwargs(e)["env_entry_point"].startswith(proxies)]
 
 
 def json_text(obj: Observation | StepResult) -> str:

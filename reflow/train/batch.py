@@ -7,7 +7,7 @@ are masked out: an engine or sandbox failure says nothing about the policy, so i
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from reflow.replay import StoredGroup
 from reflow.train.advantages import valid_for_training
@@ -37,3 +37,16 @@ def shard_rows(rows: list[TrainRow], world_size: int) -> list[list[TrainRow]]:
         shards[i].append(row)
         load[i] += len(row.segment.token_ids)
     return shards
+
+
+def shard_groups(sizes: Sequence[int], world_size: int) -> list[list[int]]:
+    """Indexes of the groups each rank trains on, balanced by size (largest first, to the lightest
+    rank; ties by position), so that each rank fetches only its own groups from the replay store.
+    Deterministic: every rank computes the same split from the same sizes."""
+    shards: list[list[int]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        rank = load.index(min(load))
+        shards[rank].append(i)
+        load[rank] += sizes[i]
+    return [sorted(s) for s in shards]

@@ -12,36 +12,11 @@ fraction, behaviour-vs-current KL); the log-probabilities come from `reflow.trai
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 
+from reflow.train.settings import LossConfig
 
-@dataclass
-class LossConfig:
-    kind: Literal["decoupled_ppo", "tis"] = "decoupled_ppo"
-    clip_eps: float = 0.2
-    """Lower clip: u is clipped at 1 - clip_eps."""
-    clip_eps_high: float = 0.28
-    """Upper clip: u is clipped at 1 + clip_eps_high (DAPO's clip-higher keeps exploration alive)."""
-    behav_weight_cap: float = 5.0
-    """Decoupled PPO: tokens with w = pi_prox / pi_behav above this are masked out of the loss."""
-    tis_cap: float = 2.0
-    """Truncated IS: w = min(pi_prox / pi_behav, tis_cap)."""
-    agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
-    """token_mean: mean over all valid tokens of the batch (long answers weigh more);
-    seq_mean_token_mean: mean over each row's valid tokens, then over rows that have any."""
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("decoupled_ppo", "tis"):
-            raise ValueError(f"unknown loss kind {self.kind!r}")
-        if self.agg not in ("token_mean", "seq_mean_token_mean"):
-            raise ValueError(f"unknown aggregation {self.agg!r}")
-        if not 0.0 <= self.clip_eps < 1.0 or self.clip_eps_high < 0.0:
-            raise ValueError("need 0 <= clip_eps < 1 and clip_eps_high >= 0")
-        if self.behav_weight_cap <= 0.0 or self.tis_cap <= 0.0:
-            raise ValueError("weight caps must be positive")
+__all__ = ["LossConfig", "engine_gap_stats", "masked_mean", "policy_loss"]
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -130,3 +105,32 @@ def policy_loss(
             "n_tokens": n_valid.float(),
         }
     return loss, {k: v.detach().float() for k, v in stats.items()}
+
+
+def engine_gap_stats(
+    prox_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """How far the trainer's pre-update log-probs are from the ones the engine recorded, on the
+    sampled tokens, as sums so micro-batches and ranks can be added up before dividing:
+
+    - engine_kl_sum: sum of k3 = exp(d) - 1 - d with d = engine_logp - prox_logp (KL(prox || engine)
+      estimated from samples: 0 when they agree, whatever the sign of the gap);
+    - engine_gap_max: max |prox_logp - engine_logp|;
+    - w_sum, w_sq_sum, n: for the effective sample size of the weights w = exp(prox - engine),
+      ESS = (sum w)^2 / (n sum w^2), 1 when every weight is equal and towards 1/n when one dominates.
+
+    In sync mode the gap is the engine-trainer mismatch alone (numerics: kernels, bf16); in the
+    decoupled modes it adds the staleness of the data, and a falling ESS is the early sign of a
+    collapse under staleness.
+    """
+    mask = mask.bool()
+    zero = torch.zeros((), dtype=torch.float32, device=prox_logp.device)
+    d = torch.where(mask, engine_logp.detach().float() - prox_logp.detach().float(), zero)
+    w = torch.where(mask, (-d).exp(), zero)
+    return {
+        "engine_kl_sum": torch.where(mask, d.exp() - 1.0 - d, zero).sum(),
+        "engine_gap_max": d.abs().max() if bool(mask.any()) else zero.clone(),
+        "w_sum": w.sum(),
+        "w_sq_sum": (w * w).sum(),
+        "n": mask.sum().float(),
+    }

@@ -35,6 +35,10 @@ class SFTConfig:
     log_every: int = 20
     bf16: bool | None = None
     """Autocast matmuls to bfloat16 (None: only on a CPU with AMX or AVX512-BF16, where it is ~2x faster)."""
+    patience: int = 0
+    """Early stopping on the `evaluate` callback's `success_rate` (a dev set): stop once this many
+    evaluations in a row found no better one, and end with the best evaluated weights (the final
+    ones are evaluated too). 0: train to the step or time budget."""
 
 
 def _bf16_helps() -> bool:
@@ -52,6 +56,9 @@ class SFTReport:
     tokens: int = 0
     losses: list[float] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
+    best_step: int | None = None
+    """With `patience`: the step whose weights the model ends with."""
+    stopped_early: bool = False
 
 
 def pack_batches(
@@ -119,6 +126,16 @@ def sft_train(
     start = time.monotonic()
     model.train()
     batches: list[list[Segment]] = []
+    stopper = _EarlyStop(model) if evaluate and cfg.patience else None
+
+    def run_eval() -> None:
+        model.eval()
+        point = {"step": report.steps, **evaluate(report.steps)}
+        report.evals.append(point)
+        model.train()
+        if stopper is not None:
+            stopper.observe(report.steps, float(point["success_rate"]))
+
     while report.steps < cfg.max_steps and time.monotonic() - start < cfg.max_seconds:
         if not batches:
             batches = pack_batches(rows, cfg.batch_tokens, rng, shared_prefix_len(rows))
@@ -140,9 +157,37 @@ def sft_train(
                 f"step {report.steps}: loss {sum(recent) / len(recent):.4f} ({time.monotonic() - start:.0f}s)"
             )
         if evaluate and eval_every and report.steps % eval_every == 0:
-            model.eval()
-            report.evals.append({"step": report.steps, **evaluate(report.steps)})
-            model.train()
+            run_eval()
+            if stopper is not None and stopper.stale >= cfg.patience:
+                report.stopped_early = report.steps < cfg.max_steps
+                break
+    if stopper is not None:
+        if not report.evals or report.evals[-1]["step"] != report.steps:
+            run_eval()  # the final weights compete too
+        report.best_step = stopper.restore()
     model.eval()
     report.seconds = time.monotonic() - start
     return report
+
+
+class _EarlyStop:
+    """The best evaluated weights so far (a CPU copy) and how many evaluations since they were."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.best: tuple[float, int, dict[str, torch.Tensor]] | None = None
+        self.stale = 0
+
+    def observe(self, step: int, score: float) -> None:
+        if self.best is None or score > self.best[0]:
+            state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+            self.best, self.stale = (score, step, state), 0
+        else:
+            self.stale += 1
+
+    def restore(self) -> int | None:
+        """Load the best weights back; returns their step."""
+        if self.best is None:
+            return None
+        self.model.load_state_dict(self.best[2])
+        return self.best[1]

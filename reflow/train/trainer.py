@@ -10,7 +10,9 @@ policy is the weights before the first update; with one update per batch its log
 detached log-probs of the same forward pass, so no extra forward is spent on them. In sync mode the
 behaviour policy *is* the proximal one (`behaviour_is_prox`): the IS weight is exactly 1 and nothing is
 masked. Otherwise the behaviour log-probs are the ones the engine recorded at
-sampling time.
+sampling time. Every step also reports how far the trainer's pre-update log-probs are from the
+engine's (`engine_kl`, `engine_gap_max`) and the effective sample size of the weights between them
+(`is_ess`): in sync mode that is the engine-trainer mismatch alone.
 
 Several ranks: `init_distributed` starts a gloo (CPU) or NCCL process group and the model is sharded
 with FSDP2 (`fully_shard`, one unit per decoder layer); each rank trains on its share of the rows and
@@ -23,8 +25,8 @@ import math
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,9 +34,12 @@ import torch.nn.functional as F
 
 from reflow.records import Segment
 from reflow.train.logprobs import logprobs_from_logits, pad_segments, token_logprobs
-from reflow.train.losses import LossConfig, policy_loss
+from reflow.train.losses import engine_gap_stats, policy_loss
 from reflow.train.prefix import shared_prefix_len, suffix_logits
+from reflow.train.settings import TrainerConfig
 from reflow.train.sft import pack_batches
+
+__all__ = ["PolicyTrainer", "TrainRow", "TrainerConfig", "equalize_micro_batches", "loglinear_prox"]
 
 
 @dataclass
@@ -46,37 +51,6 @@ class TrainRow:
     group_id: str = ""
     version: int = 0
     """The policy version that generated the episode (for staleness)."""
-
-
-@dataclass
-class TrainerConfig:
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    micro_batch_tokens: int = 16384
-    loss: LossConfig = field(default_factory=LossConfig)
-    behaviour_is_prox: bool = True
-    """Sync mode: the sampling policy is the pre-update policy, so the IS weight is exactly 1."""
-    temperature: float = 1.0
-    """The sampling temperature: log-probs are taken under the same tempered distribution."""
-    bf16: bool | None = None
-    """bf16 autocast; None: on GPU only (see PolicyTrainer.__init__)."""
-    seed: int = 0
-    minibatches: int = 1
-    """Optimizer steps per batch: the rows are split into this many shuffled mini-batches (verl's
-    ppo_mini_batch_size). With more than one, prox is the weights before the first step (see
-    `prox_logp`), and the PPO clip keeps the later steps near it."""
-    epochs: int = 1
-    """Passes over the batch's mini-batches (PPO epochs)."""
-    prox_logp: Literal["recompute", "loglinear"] = "recompute"
-    """How later updates get prox log-probs: "recompute" (a no-grad forward before the first update) or
-    "loglinear" (no extra forward: per token, log pi_prox ~ log pi_behav + alpha (log pi_theta -
-    log pi_behav) with alpha = (v_prox - v_behav) / (v_prox + 1 - v_behav), AReaL's approximation).
-    The first update always uses the exact, free detached log-probs of its own forward pass."""
-
-    def __post_init__(self) -> None:
-        if self.prox_logp not in ("recompute", "loglinear"):
-            raise ValueError(f"prox_logp must be 'recompute' or 'loglinear', got {self.prox_logp!r}")
 
 
 def _sum_stat(stats: dict[str, Any], key: str) -> float:
@@ -118,7 +92,10 @@ class PolicyTrainer:
         segments = [r.segment for r in rows]
         shared = shared_prefix_len(segments) if self.world_size == 1 else 0
         batches = pack_batches(segments, self.cfg.micro_batch_tokens, self.rng, shared)
-        return [[by_segment[id(s)] for s in batch] for batch in batches]
+        out = [[by_segment[id(s)] for s in batch] for batch in batches]
+        if self.world_size > 1:
+            out = equalize_micro_batches(out, int(self._all_reduce(len(out), op="max")), self.pad_id)
+        return out
 
     def _forward(self, batch: list[TrainRow]) -> dict[str, torch.Tensor]:
         """Per-token log-probs, entropy, loss mask, behaviour log-probs and advantages, from the first
@@ -164,8 +141,10 @@ class PolicyTrainer:
         keys = ("loss", "entropy", "clip_frac", "w_mean", "masked_frac", "kl_behav")
         totals: dict[str, float] = dict.fromkeys(keys, 0.0)
         w_max, grad_norms, all_tokens = 0.0, [], 0.0
+        gap: dict[str, float] = dict.fromkeys(("engine_kl_sum", "w_sum", "w_sq_sum", "n"), 0.0)
+        gap_max = 0.0
         self.model.train()
-        for _ in range(self.cfg.epochs):
+        for epoch in range(self.cfg.epochs):
             for k, micro_batches in enumerate(plan):
                 local = sum(r.segment.n_sampled for batch in micro_batches for r in batch)
                 global_tokens = self._all_reduce(float(local))
@@ -174,12 +153,18 @@ class PolicyTrainer:
                 for j, batch in enumerate(micro_batches):
                     t = self._forward(batch)
                     logp, entropy = t["logp"], t["entropy"]
+                    exact = prox is not None or first  # prox_logp is the pre-update policy's own
                     if prox is not None:
                         prox_logp = prox[k][j]
                     elif first:
                         prox_logp = logp.detach()
                     else:
                         prox_logp = loglinear_prox(t["behav"], logp.detach(), t["versions"], self.version)
+                    if exact and epoch == 0:  # each row once, exact prox only
+                        g = engine_gap_stats(prox_logp, t["behav"], t["mask"])
+                        for key in gap:
+                            gap[key] += float(g[key])
+                        gap_max = max(gap_max, float(g["engine_gap_max"]))
                     behav = prox_logp if self.cfg.behaviour_is_prox else t["behav"]
                     loss, stats = policy_loss(logp, prox_logp, behav, t["adv"], t["mask"], self.cfg.loss)
                     n = float(t["mask"].sum())
@@ -211,8 +196,21 @@ class PolicyTrainer:
             trained_tokens=self._all_reduce(float(sum(r.segment.n_sampled for r in rows))),
             rows=self._all_reduce(float(len(rows))),
             train_s=time.monotonic() - start,
+            **self._engine_gap_metrics(gap, gap_max),
         )
         return metrics
+
+    def _engine_gap_metrics(self, sums: dict[str, float], gap_max: float) -> dict[str, float]:
+        """The engine-vs-trainer log-prob gap and the ESS of the weights pi_prox / pi_engine
+        (`losses.engine_gap_stats`), over every rank's tokens."""
+        total = {k: self._all_reduce(v) for k, v in sums.items()}
+        n = total["n"]
+        ess = total["w_sum"] ** 2 / (n * total["w_sq_sum"]) if n and total["w_sq_sum"] > 0 else 1.0
+        return {
+            "engine_kl": total["engine_kl_sum"] / max(n, 1.0),
+            "engine_gap_max": self._all_reduce(gap_max, op="max"),
+            "is_ess": ess,
+        }
 
     def _split_minibatches(self, rows: list[TrainRow]) -> list[list[TrainRow]]:
         """`cfg.minibatches` shuffled, near-equal shares of the rows (fewer when there are fewer rows;
@@ -251,27 +249,52 @@ class PolicyTrainer:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
     def optimizer_state(self) -> dict[str, Any]:
-        if self.world_size > 1:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        """The full AdamW state keyed by parameter name, whatever the world size, so that a state saved
+        by a group of one size loads into a group of another (an elastic role change, a resume with
+        another `train` slot count). Collective under FSDP: call on every rank."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            return get_optimizer_state_dict(self.model, self.optimizer, options=options)
-        return self.optimizer.state_dict()
+        options = StateDictOptions(full_state_dict=True, cpu_offload=self.world_size > 1)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=options)
 
     def load_state(self, model_state: dict[str, Any], optim_state: dict[str, Any]) -> None:
-        if self.world_size > 1:
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                set_model_state_dict,
-                set_optimizer_state_dict,
-            )
+        """Load full weights and an optimizer state from `optimizer_state` (every rank gets the full
+        state). An older single-rank checkpoint keyed the optimizer state by parameter index: that
+        still loads on one rank."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
-            options = StateDictOptions(full_state_dict=True)
+        options = StateDictOptions(full_state_dict=True)
+        if self.world_size > 1:
             set_model_state_dict(self.model, model_state, options=options)
-            set_optimizer_state_dict(self.model, self.optimizer, optim_state, options=options)
         else:
             self.model.load_state_dict(model_state)
+        by_index = any(isinstance(k, int) for k in optim_state.get("state", {}))
+        if by_index and self.world_size == 1:
             self.optimizer.load_state_dict(optim_state)
+        else:
+            set_optimizer_state_dict(self.model, self.optimizer, optim_state, options=options)
+
+
+def equalize_micro_batches(batches: list[list[TrainRow]], target: int, pad_id: int) -> list[list[TrainRow]]:
+    """`target` micro-batches from `batches`: under FSDP2 every forward and backward gathers the
+    sharded parameters collectively, so every rank must run the same number of them, whatever its
+    share of the rows. Splits the largest micro-batches first, then adds dummy rows that carry no loss
+    token (a rank with fewer rows than the others, or none)."""
+    out = [list(b) for b in batches if b]
+    while len(out) < target:
+        big = max(range(len(out)), key=lambda i: len(out[i]), default=None)
+        if big is not None and len(out[big]) > 1:
+            rows = out.pop(big)
+            out += [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
+        else:
+            dummy = Segment(0)
+            dummy.extend_prompt([pad_id, pad_id])  # prompt tokens only: loss mask 0 everywhere
+            out.append([TrainRow(dummy, 0.0)])
+    return out
 
 
 def loglinear_prox(

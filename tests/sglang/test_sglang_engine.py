@@ -244,3 +244,75 @@ async def test_a_rollout_worker_drives_sglang_servers_and_hands_them_each_policy
     assert folders == ["v000002"]  # the servers hold the weights: only the newest folder stays
     assert await worker.weight_version() == 2
     await worker.close()
+
+
+def _split_transport(log: list, state: dict) -> httpx.MockTransport:
+    """A server whose first /generate runs until a weight update aborts it (SGLang's
+    `abort_all_requests`), answering then with the tokens sampled so far; later requests finish."""
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        path, body = request.url.path, json.loads(request.content or b"{}")
+        log.append((path, body))
+        if path == "/generate":
+            check_generate(body)
+            first = sum(p == "/generate" for p, _ in log) == 1
+            if first:
+                await state["aborted"].wait()
+            if first or body["rid"] in state["user_aborted"]:
+                ids, finish, version = [11, 12], {"type": "abort", "message": "aborted"}, "0"
+            else:
+                n = body["sampling_params"]["max_new_tokens"]
+                ids, finish, version = list(range(20, 20 + n)), {"type": "length", "length": n}, state["v"]
+            meta = {
+                "id": body["rid"],
+                "finish_reason": finish,
+                "prompt_tokens": len(body["input_ids"]),
+                "weight_version": version,
+                "output_token_logprobs": [[-0.25, t, None] for t in ids],
+            }
+            return httpx.Response(200, json={"output_ids": ids, "meta_info": meta})
+        if path == "/abort_request":
+            state["user_aborted"].add(check_struct(io().AbortReq, body).rid)
+            state["aborted"].set()
+            return httpx.Response(200, json={})
+        obj = check_struct(io().UpdateWeightFromDiskReqInput, body)
+        assert obj.abort_all_requests  # nothing in flight may span the update
+        state["v"] = obj.weight_version
+        state["aborted"].set()
+        return httpx.Response(200, json={"success": True, "message": "ok", "num_paused_requests": 0})
+
+    return httpx.MockTransport(handler)
+
+
+async def test_a_request_spanning_a_weight_update_is_split_there_with_per_token_versions():
+    import asyncio
+
+    log, state = [], {"v": "0", "aborted": asyncio.Event(), "user_aborted": set()}
+    engine = SGLangEngine(["http://gpu-a:30000"], transport=_split_transport(log, state))
+    task = asyncio.create_task(engine.generate([1, 2, 3], SamplingParams(max_new_tokens=5), "req"))
+    await asyncio.sleep(0.05)
+    assert await engine.update_weights(path="/ckpt/v1", version=1) == 1
+    result = await task
+    assert result.output_ids == [11, 12, 20, 21, 22] and result.logprobs == [-0.25] * 5
+    assert result.meta["token_versions"] == [0, 0, 1, 1, 1] and result.weight_version == 1
+    assert (result.finish_reason, result.prompt_tokens) == ("length", 3)
+    first, second = [body for path, body in log if path == "/generate"]
+    # the exact prefix, token in, with what is left of the budget, as a request of its own
+    assert second["input_ids"] == [1, 2, 3, 11, 12] and second["sampling_params"]["max_new_tokens"] == 3
+    assert second["rid"] != first["rid"] and result.meta["reprefill_tokens"] == 5
+    await engine.close()
+
+
+async def test_a_request_the_caller_aborts_is_not_resubmitted():
+    import asyncio
+
+    log, state = [], {"v": "0", "aborted": asyncio.Event(), "user_aborted": set()}
+    engine = SGLangEngine(["http://gpu-a:30000"], transport=_split_transport(log, state))
+    task = asyncio.create_task(engine.generate([1, 2, 3], SamplingParams(max_new_tokens=5), "req"))
+    await asyncio.sleep(0.05)
+    await engine.abort("req")
+    result = await task
+    assert result.finish_reason == "abort" and result.output_ids == [11, 12]
+    assert "token_versions" not in result.meta
+    assert sum(path == "/generate" for path, _ in log) == 1
+    await engine.close()

@@ -11,26 +11,41 @@ from fastapi.responses import JSONResponse
 from reflow.server.schemas import ErrorBody
 
 _DESCRIPTIONS = {
-    400: "a body that cannot be read as JSON text",
+    400: "an invalid Content-Length header",
     401: "missing or malformed bearer token",
-    403: "wrong token, or a client env kwarg the server does not allow",
+    403: "wrong token (on create also: a client env kwarg the server does not allow)",
     404: "unknown session or env",
     409: "the step does not fit the session's state or turn index",
     410: "the session was closed (deleted, idle, past its deadline, shut down)",
     413: "request body too large",
-    422: "invalid request, or a task the env rejects",
+    422: "invalid request: a body or path that does not match this document (on create also: a task the "
+    "env rejects)",
     429: "at capacity: retry after the Retry-After header's seconds",
     500: "the env failed to start",
-    503: "the server is shutting down, or the env's infrastructure failed",
+    503: "the server is shutting down (retry after Retry-After seconds), or the env's infrastructure failed",
     504: "the env did not start within the session deadline",
 }
+_RETRY_AFTER = {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}
+_HEADERS = {
+    401: {"WWW-Authenticate": {"required": True, "schema": {"type": "string"}}},
+    403: {"WWW-Authenticate": {"description": "set when the token is wrong", "schema": {"type": "string"}}},
+    429: {"Retry-After": {**_RETRY_AFTER, "required": True}},
+    503: {"Retry-After": _RETRY_AFTER},
+}
+BODY_ERRORS = (400, 413)
+"""What any route can answer before it runs (BodyLimit reads the body's length first)."""
+AUTH_ERRORS = (401, 403)
+"""What any route behind TokenGate can answer."""
 
 
-def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI `responses` for these error statuses, each with the error body."""
+def errors(*codes: int, auth: bool = True) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for the error statuses a route can answer: `codes`, the body limit's and,
+    with `auth`, the token gate's; each with the error body (and the headers it carries)."""
+    every = sorted({*BODY_ERRORS, *(AUTH_ERRORS if auth else ()), *codes})
     return {
         code: {"model": ErrorBody, "description": _DESCRIPTIONS[code]}
-        for code in (400, 401, 403, 413, 422, *codes)
+        | ({"headers": _HEADERS[code]} if code in _HEADERS else {})
+        for code in every
     }
 
 

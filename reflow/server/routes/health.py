@@ -6,12 +6,13 @@ import time
 
 from fastapi import APIRouter, Request
 
+from reflow.server.routes import errors
 from reflow.server.schemas import Health
 
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz", response_model=Health, summary="Liveness")
+@router.get("/healthz", response_model=Health, responses=errors(auth=False), summary="Liveness")
 async def health(request: Request) -> Health:
     manager = request.app.state.manager
     return Health(

@@ -23,6 +23,11 @@ from reflow.server.sessions import SessionManager
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
 SessionId = Path(min_length=1, max_length=64, description="the id POST /v1/sessions returned")
+SESSION_LINKS = {
+    name: {"operationId": name, "parameters": {"session_id": "$response.body#/session_id"}}
+    for name in ("step_session", "get_session", "delete_session")
+}
+"""OpenAPI links: the session a create returns is what step, get and delete take."""
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -50,8 +55,9 @@ def body_schema(model: type[BaseModel]) -> dict[str, Any]:
     "",
     status_code=201,
     response_model=SessionCreated,
-    responses=errors(404, 429, 500, 503, 504),
+    responses={**errors(404, 410, 422, 429, 500, 503, 504), 201: {"links": SESSION_LINKS}},
     summary="Create a session: make the env and reset it",
+    operation_id="create_session",
 )
 async def create_session(body: CreateSession, request: Request) -> Response:
     manager = _manager(request)
@@ -64,8 +70,9 @@ async def create_session(body: CreateSession, request: Request) -> Response:
     "/{session_id}/step",
     response_model=StepResponse,
     openapi_extra=body_schema(StepRequest),
-    responses=errors(404, 409, 410),
+    responses=errors(404, 409, 410, 422),
     summary="Play one assistant turn; a retry with the same turn_index returns the stored result",
+    operation_id="step_session",
 )
 async def step_session(request: Request, session_id: str = SessionId) -> Response:
     body = await read_body(request, StepRequest)
@@ -81,7 +88,11 @@ async def step_session(request: Request, session_id: str = SessionId) -> Respons
 
 
 @router.get(
-    "/{session_id}", response_model=SessionBody, responses=errors(404, 410), summary="A session's state"
+    "/{session_id}",
+    response_model=SessionBody,
+    responses=errors(404, 410, 422),
+    summary="A session's state",
+    operation_id="get_session",
 )
 async def get_session(request: Request, session_id: str = SessionId) -> Response:
     manager = _manager(request)
@@ -91,8 +102,9 @@ async def get_session(request: Request, session_id: str = SessionId) -> Response
 @router.delete(
     "/{session_id}",
     response_model=Deleted,
-    responses=errors(404),
+    responses=errors(404, 422),
     summary="Close a session and release its env (idempotent)",
+    operation_id="delete_session",
 )
 async def delete_session(request: Request, session_id: str = SessionId) -> Response:
     reason = await _manager(request).delete(session_id)

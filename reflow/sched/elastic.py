@@ -1,0 +1,280 @@
+"""The elastic policy (issue F7 point 1): how many of the N device slots roll out and how many train.
+
+A plain object, observations in, decisions out; no Ray, no clock, no I/O. Two drivers feed it the same
+`ElasticObservation`: the Ray runtime (measured on real actors) and the cluster simulator (simulated
+time). The driver asks once per version boundary and applies the decision (drain a rollout worker,
+start a trainer rank, re-form the group, or the reverse); measuring the change's cost is its job too.
+
+The pipeline model (units: `unit` per second, samples or tokens; the same unit everywhere):
+
+    n rollout slots, m train slots, n + m = N
+    r = fresh work generated per second by one rollout slot
+    t = work trained per second by one train slot
+    u = reuse: trained uses per generated unit (1 without replay; 1 / (1 - replay share) with it)
+
+    T(n, m) = min(n * r * u, m * t)           trained work per second: the slower side sets the pace
+    step(n, m) = S / T(n, m)                  seconds per train step of S units (`batch_size`)
+    gain(n -> n') = H * (step(n, m) - step(n', m'))   seconds saved over the next H = horizon_steps
+
+A change is made only when gain > margin * cost (cost: the measured seconds of one role change in
+that direction: actor start + weight load + group re-form), at least `min_dwell_steps` after the last
+one, never twice in one version, and never below `min_rollout` / `min_train` slots. One slot moves per
+decision: the per-slot rates are measured at the current split and extrapolated linearly, so a short
+step keeps the extrapolation honest, and the next decision sees rates re-measured at the new split.
+T is unimodal in n (the min of a rising and a falling line), so repeated one-slot moves reach the
+best split. The reuse u is taken as it was measured; the replay share adapts on its own and the
+next decision sees the new value.
+
+The idle ratios guard the model: a move towards rollout needs the trainer to idle at least as much
+as rollout does, a move towards training the reverse. When the measured idle ratios contradict the
+rate model the policy holds and says so.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+def _doc(text: str) -> dict[str, str]:
+    return {"doc": text}
+
+
+@dataclass(frozen=True)
+class ElasticConfig:
+    """The elastic policy's knobs; `reflow.config` builds its `elastic:` section from these fields."""
+
+    horizon_steps: int = field(default=10, metadata=_doc("train steps over which a change must pay off"))
+    margin: float = field(
+        default=1.5, metadata=_doc("a change needs predicted gain > margin x measured change cost")
+    )
+    min_dwell_steps: int = field(default=5, metadata=_doc("train steps between two changes, at least"))
+    min_rollout: int = field(default=1, metadata=_doc("rollout slots never fall below this"))
+    min_train: int = field(default=1, metadata=_doc("train slots never fall below this"))
+    initial_change_cost_s: float = field(
+        default=30.0, metadata=_doc("assumed seconds of a role change until one has been measured")
+    )
+
+    def __post_init__(self) -> None:
+        if self.horizon_steps < 1:
+            raise ValueError(f"horizon_steps must be >= 1, got {self.horizon_steps}")
+        if not (math.isfinite(self.margin) and self.margin >= 1.0):
+            raise ValueError(f"margin must be a finite number >= 1 (hysteresis), got {self.margin}")
+        if self.min_dwell_steps < 0:
+            raise ValueError(f"min_dwell_steps must be >= 0, got {self.min_dwell_steps}")
+        if self.min_rollout < 1 or self.min_train < 1:
+            raise ValueError(
+                f"min_rollout and min_train must be >= 1, got {self.min_rollout} and {self.min_train}"
+            )
+        if not (math.isfinite(self.initial_change_cost_s) and self.initial_change_cost_s >= 0):
+            raise ValueError(
+                f"initial_change_cost_s must be finite and >= 0, got {self.initial_change_cost_s}"
+            )
+
+
+@dataclass(frozen=True)
+class RoleChangeCost:
+    """Measured seconds of one role change in one direction, per part (the paper's cold-start figure)."""
+
+    actor_start_s: float = 0.0
+    """Stopping the old actor and starting the new one on the slot."""
+    weight_load_s: float = 0.0
+    """Loading the current weights (and, towards training, the optimizer state)."""
+    group_reform_s: float = 0.0
+    """Re-forming the trainer group (FSDP2) or the rollout workers' group assignment."""
+
+    def __post_init__(self) -> None:
+        for name in ("actor_start_s", "weight_load_s", "group_reform_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"RoleChangeCost.{name} must be finite and >= 0, got {value}")
+
+    @property
+    def total_s(self) -> float:
+        return self.actor_start_s + self.weight_load_s + self.group_reform_s
+
+
+@dataclass(frozen=True)
+class ElasticObservation:
+    """What the driver measured, at a version boundary. Rates are per slot, in `unit` per second."""
+
+    step: int
+    """Train steps done in this run."""
+    version: int
+    """The policy version the trainer just published (the boundary being crossed)."""
+    steps_since_change: int
+    """Train steps since the last applied role change (or since the run start)."""
+    rollout_slots: int
+    train_slots: int
+    rollout_rate: float
+    """r: fresh work generated per second by one rollout slot while generating."""
+    train_rate: float
+    """t: work trained per second by one train slot while training."""
+    batch_size: float
+    """S: work per train step (samples: B x group size; tokens: the step's trained tokens)."""
+    reuse: float = 1.0
+    """u: trained uses per generated unit (mean reuse); see `reuse_from_share`."""
+    rollout_idle: float = 0.0
+    """Share of the last interval the rollout slots waited (0..1)."""
+    train_idle: float = 0.0
+    """Share of the last interval the train slots waited for data (0..1)."""
+    fresh_waiting: int = 0
+    """Fresh groups stored and not yet trained on (reported in the reason; the rates decide)."""
+    in_flight: int = 0
+    """Groups being generated (reported in the reason)."""
+    to_rollout_cost: RoleChangeCost | None = None
+    """Measured cost of turning a train slot into a rollout slot (None: none measured yet)."""
+    to_train_cost: RoleChangeCost | None = None
+    """Measured cost of turning a rollout slot into a train slot (None: none measured yet)."""
+    unit: Literal["samples", "tokens"] = "samples"
+
+    def __post_init__(self) -> None:
+        for name in ("step", "version", "steps_since_change", "fresh_waiting", "in_flight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ElasticObservation.{name} must be >= 0, got {getattr(self, name)}")
+        if self.rollout_slots < 0 or self.train_slots < 0:
+            raise ValueError(f"slot counts must be >= 0, got {self.rollout_slots} and {self.train_slots}")
+        for name in ("rollout_rate", "train_rate", "batch_size"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"ElasticObservation.{name} must be finite and >= 0, got {value}")
+        if not (math.isfinite(self.reuse) and self.reuse >= 1.0):
+            raise ValueError(f"reuse counts the first use too, so it is >= 1, got {self.reuse}")
+        for name in ("rollout_idle", "train_idle"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"ElasticObservation.{name} is a ratio in [0, 1], got {value}")
+
+    @property
+    def slots(self) -> int:
+        """N, the slots both roles share."""
+        return self.rollout_slots + self.train_slots
+
+
+def reuse_from_share(replay_share: float) -> float:
+    """Mean trained uses per generated sample when `replay_share` of every batch is replayed."""
+    if not 0.0 <= replay_share < 1.0:
+        raise ValueError(f"replay share must be in [0, 1), got {replay_share}")
+    return 1.0 / (1.0 - replay_share)
+
+
+def throughput(obs: ElasticObservation, rollout_slots: int, train_slots: int) -> float:
+    """T(n, m) = min(n * r * u, m * t): trained work per second at the split (n, m)."""
+    return min(rollout_slots * obs.rollout_rate * obs.reuse, train_slots * obs.train_rate)
+
+
+def step_seconds(obs: ElasticObservation, rollout_slots: int, train_slots: int) -> float:
+    """S / T(n, m): seconds per train step at the split (n, m); inf when one side makes nothing."""
+    rate = throughput(obs, rollout_slots, train_slots)
+    return obs.batch_size / rate if rate > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class ElasticDecision:
+    """The split to hold or move to, what the move is predicted to buy, and why (a metrics event)."""
+
+    action: Literal["hold", "to_rollout", "to_train"]
+    """to_rollout: one train slot becomes a rollout slot; to_train: the reverse."""
+    rollout_slots: int
+    train_slots: int
+    """The target split (the current one when holding)."""
+    gain_s: float
+    """Predicted seconds saved over the horizon by the move considered (0 when none was)."""
+    cost_s: float
+    """The change cost the gain was weighed against (measured, or the initial assumption)."""
+    throughput_now: float
+    throughput_target: float
+    """T at the current and the target split (`unit` per second)."""
+    reason: str
+
+    @property
+    def moves(self) -> bool:
+        return self.action != "hold"
+
+
+class ElasticPolicy:
+    """Decides, at each version boundary, whether one slot changes role (see the module docstring).
+
+    `decide` keeps two facts between calls: the last version asked about (versions never go back)
+    and the version of its last move (it never moves twice in one version, however often asked).
+    """
+
+    def __init__(self, cfg: ElasticConfig | None = None) -> None:
+        self.cfg = cfg or ElasticConfig()
+        self.last_version: int | None = None
+        self.last_move_version: int | None = None
+
+    def best_split(self, obs: ElasticObservation) -> tuple[int, int]:
+        """The split with the highest T within the slot minimums; ties go to the current split's side."""
+        low, high = self.cfg.min_rollout, obs.slots - self.cfg.min_train
+        if low > high:
+            return obs.rollout_slots, obs.train_slots
+        candidates = range(low, high + 1)
+        best = max(
+            candidates,
+            key=lambda n: (throughput(obs, n, obs.slots - n), -abs(n - obs.rollout_slots)),
+        )
+        return best, obs.slots - best
+
+    def decide(self, obs: ElasticObservation) -> ElasticDecision:
+        cfg = self.cfg
+        if self.last_version is not None and obs.version < self.last_version:
+            raise ValueError(f"policy version went backwards: {obs.version} after {self.last_version}")
+        self.last_version = obs.version
+        n, m = obs.rollout_slots, obs.train_slots
+        now = throughput(obs, n, m)
+
+        def hold(reason: str, gain: float = 0.0, cost: float = 0.0, target: float = now) -> ElasticDecision:
+            return ElasticDecision("hold", n, m, gain, cost, now, target, reason)
+
+        state = (
+            f"split {n} rollout + {m} train; r={obs.rollout_rate:g} {obs.unit}/s/slot x reuse "
+            f"{obs.reuse:g}, t={obs.train_rate:g} {obs.unit}/s/slot; idle rollout {obs.rollout_idle:.0%} "
+            f"train {obs.train_idle:.0%}; {obs.fresh_waiting} fresh groups waiting, {obs.in_flight} in flight"
+        )
+        if self.last_move_version == obs.version:
+            return hold(f"already moved a slot at version {obs.version}; {state}")
+        if n < cfg.min_rollout or m < cfg.min_train:
+            raise ValueError(
+                f"split {n} rollout + {m} train is below the minimums {cfg.min_rollout} + {cfg.min_train}"
+            )
+        if obs.rollout_rate <= 0 or obs.train_rate <= 0:
+            return hold(f"no rate measured yet on both sides; {state}")
+        best_n, _ = self.best_split(obs)
+        if best_n == n:
+            return hold(f"the current split is the best the model sees (T={now:.3g} {obs.unit}/s); {state}")
+        if best_n > n:
+            action, n2, m2, cost_obs = "to_rollout", n + 1, m - 1, obs.to_rollout_cost
+            guard_ok = obs.train_idle >= obs.rollout_idle
+            guard = "the trainer idles less than rollout"
+        else:
+            action, n2, m2, cost_obs = "to_train", n - 1, m + 1, obs.to_train_cost
+            guard_ok = obs.rollout_idle >= obs.train_idle
+            guard = "rollout idles less than the trainer"
+        target = throughput(obs, n2, m2)
+        cost = cost_obs.total_s if cost_obs is not None else cfg.initial_change_cost_s
+        cost_src = "measured" if cost_obs is not None else "assumed"
+        step_now, step_new = step_seconds(obs, n, m), step_seconds(obs, n2, m2)
+        gain = cfg.horizon_steps * (step_now - step_new)
+        move = (
+            f"{action} ({n2} rollout + {m2} train): step {step_now:.3g} s -> {step_new:.3g} s, "
+            f"gain {gain:.3g} s over {cfg.horizon_steps} steps vs {cost_src} cost {cost:.3g} s x margin "
+            f"{cfg.margin:g} = {cost * cfg.margin:.3g} s"
+        )
+        if obs.steps_since_change < cfg.min_dwell_steps:
+            return hold(
+                f"dwell: {obs.steps_since_change} of {cfg.min_dwell_steps} steps since the last change; "
+                f"would be {move}; {state}",
+                gain,
+                cost,
+                target,
+            )
+        if not gain > cfg.margin * cost:
+            return hold(f"not worth it: {move}; {state}", gain, cost, target)
+        if not guard_ok:
+            return hold(
+                f"idle ratios disagree with the rate model ({guard}): {move}; {state}", gain, cost, target
+            )
+        self.last_move_version = obs.version
+        return ElasticDecision(action, n2, m2, gain, cost, now, target, f"{move}; {state}")

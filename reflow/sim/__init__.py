@@ -1,0 +1,8 @@
+"""The cluster simulator (issue F8): the project's own scheduling policies run against calibrated costs
+in simulated time, at cluster sizes this machine cannot reach.
+
+`config` (scenario YAML), `costs` (the cost model), `store` (the replay store's query surface in memory),
+`engine` (the discrete-event core), `policies` (the seam to the runtime's policy objects), `metrics`
+(the run-metric names), `validate` (published targets), `cli` (`reflow simulate`). Imports no Ray,
+torch or engine code: it runs anywhere the core installs.
+"""

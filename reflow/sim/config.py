@@ -1,0 +1,254 @@
+"""Scenario files of the cluster simulator: the cost-model parameters, the workload and the mode, from YAML.
+
+A scenario is one mapping (see configs/sim/README.md). `include:` lists files (relative to the scenario)
+whose mappings are deep-merged first, so the hardware, model and workload constants live once each in
+configs/sim/ and a scenario only says what differs. Every section forbids unknown keys, and an error
+names the offending key (`decode.bw_efficiency: ...`), like `reflow.config` does for run configs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from reflow.config import ConfigError, _describe, apply_overrides
+
+Mode = Literal["sync", "one_step_off", "async", "reflow"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GpuSpec(_Section):
+    name: str = "gpu"
+    hbm_gb_s: float = Field(gt=0, description="HBM bandwidth, GB/s (decode is bound by it)")
+    bf16_tflops: float = Field(gt=0, description="dense bf16 peak, TFLOP/s")
+    memory_gb: float = Field(gt=0)
+
+
+class ModelSpec(_Section):
+    name: str = "model"
+    params_b: float = Field(gt=0, description="total parameters, billions (weight bytes, sync bytes)")
+    active_params_b: float | None = Field(None, gt=0, description="active per token (MoE); default params_b")
+    kv_bytes_per_token: float = Field(gt=0, description="KV cache bytes per token, all layers")
+    bytes_per_param: float = Field(2.0, gt=0)
+    experts: int | None = Field(None, ge=1, description="MoE: routed experts per layer")
+    top_k: int | None = Field(None, ge=1, description="MoE: experts per token")
+
+    @property
+    def active_b(self) -> float:
+        return self.active_params_b or self.params_b
+
+    @property
+    def weight_gb(self) -> float:
+        return self.params_b * self.bytes_per_param
+
+
+class DecodeCost(_Section):
+    """One decode iteration of an engine with b running sequences holding C context tokens takes
+    iter_fixed_s + (active weight bytes + C * kv bytes) / (tp * HBM * bw_efficiency)
+    + b * (per_seq_s + 2 * active params / (tp * bf16 peak * decode_mfu)): memory-bound at small b,
+    compute-bound at large b, so tokens/s = b / t_iter grows with b and saturates (on a GPU with a low
+    FLOP/byte ratio such as the H20, at a few dozen sequences)."""
+
+    tp: int = Field(1, ge=1, description="GPUs per engine (tensor parallelism)")
+    bw_efficiency: float = Field(0.6, gt=0, le=1)
+    per_seq_s: float = Field(2e-5, ge=0, description="per-sequence compute/scheduling cost per iteration")
+    iter_fixed_s: float = Field(0.002, ge=0)
+    tp_efficiency: float = Field(0.85, gt=0, le=1, description="bandwidth kept per extra TP rank")
+    max_running: int = Field(256, ge=1, description="max concurrent sequences per engine")
+    kv_memory_fraction: float = Field(
+        0.5, gt=0, le=1, description="GPU memory share for weights + KV, colocated"
+    )
+    separate_kv_memory_fraction: float = Field(
+        0.9, gt=0, le=1, description="the same on a rollout-only GPU (no trainer state beside it)"
+    )
+    prefill_mfu: float = Field(0.4, gt=0, le=1)
+    decode_mfu: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="share of the bf16 peak a decode iteration reaches once compute-bound: each running "
+        "sequence costs 2 x active params FLOPs per token, so engine tokens/s saturates with batch",
+    )
+
+
+class TrainCost(_Section):
+    """t = (fixed_s + tokens * 6 * active params / (m * peak * mfu(m))) * (1 + ref_factor + logprob_factor
+    if the old log-probs are recomputed); mfu(m) = mfu / (1 + fsdp_alpha * log2(m / 8)) for m > 8 GPUs (FSDP
+    scaling loss), times colocated_factor when the trainer shares its GPUs with the engines (offload,
+    smaller micro-batches). mfu is an effective figure, fitted to step times, not a measured MFU."""
+
+    mfu: float = Field(0.3, gt=0, le=1)
+    fsdp_alpha: float = Field(0.0, ge=0)
+    fixed_s: float = Field(5.0, ge=0, description="per update, whatever the GPU count (sequence-bound ranks)")
+    logprob_factor: float = Field(0.33, ge=0, description="old-log-prob forward, relative to the update")
+    ref_factor: float = Field(0.0, ge=0, description="reference-model forward (KL), relative to the update")
+    colocated_factor: float = Field(1.0, gt=0, le=1, description="mfu kept when colocated with the engines")
+
+
+class SyncCost(_Section):
+    """Weight sync trainer -> engines: fixed_s + weight GB / bandwidth_gb_s + gather_s_per_gb * weight GB;
+    colocated_s is the reshard / wake-up cost when both roles share the GPUs."""
+
+    fixed_s: float = Field(0.5, ge=0)
+    bandwidth_gb_s: float = Field(25.0, gt=0)
+    gather_s_per_gb: float = Field(0.0, ge=0)
+    colocated_s: float = Field(5.0, ge=0)
+    resume_s: float = Field(
+        0.0,
+        ge=0,
+        description="partial rollout: rollout-side seconds after each sync before the engines decode again "
+        "(wake-up, KV re-allocation, re-prefill of interrupted requests); the trainer does not wait for it",
+    )
+    role_change_s: float = Field(60.0, ge=0, description="cold start of an engine or trainer rank")
+
+
+class Lognormal(_Section):
+    median: float = Field(gt=0)
+    sigma: float = Field(0.0, ge=0)
+
+
+class Workload(_Section):
+    """Per sample: prompt tokens, then `turns` turns of (response tokens, tool call). Response tokens are
+    lognormal per turn (a per-group factor exp(N(0, group_sigma)) makes hard prompts long for the whole
+    group); the total is cut at max_response_tokens, which gives the truncation spike."""
+
+    prompt_tokens: Lognormal = Lognormal(median=200, sigma=0.3)
+    response_tokens: Lognormal = Lognormal(median=2000, sigma=1.0)
+    group_sigma: float = Field(0.0, ge=0)
+    max_response_tokens: int = Field(8192, ge=1)
+    turns_mean: float = Field(1.0, ge=1, description="mean assistant turns (1 + geometric extra turns)")
+    max_turns: int = Field(1, ge=1)
+    obs_tokens: int = Field(0, ge=0, description="tool-result tokens added per extra turn")
+    tool_latency_s: Lognormal = Lognormal(median=1.0, sigma=0.5)
+    zero_spread_prob: float = Field(0.0, ge=0, lt=1, description="groups with identical rewards")
+    lengths_from: str | None = Field(
+        None, description="replay store (.sqlite) or export (.jsonl) to resample"
+    )
+
+
+class Batch(_Section):
+    groups: int = Field(512, ge=1, description="groups (prompts) per train step, B")
+    samples_per_group: int = Field(16, ge=1)
+
+
+class ModeConfig(_Section):
+    mode: Mode = "sync"
+    rollout_gpus: int | None = Field(None, ge=1, description="separate modes; default: half the cluster")
+    eta: int | None = Field(None, ge=0, description="AReaL staleness bound in versions (async/reflow)")
+    staleness_threshold: float | None = Field(
+        None, ge=0, description="verl's fractional bound, instead of eta"
+    )
+    partial_rollout: bool = True
+    trigger: int = Field(1, ge=1, description="trainer mini-batch updates per weight sync (verl streaming)")
+    recompute_logprob: bool | None = Field(None, description="default: True for sync and one_step_off")
+    cycle: dict[str, Any] = Field(default_factory=dict, description="reflow.replay.cycle.CycleConfig fields")
+    kl_per_version: float = Field(
+        0.01, ge=0, description="IS-health proxy fed to ReplayShare: KL per version"
+    )
+    elastic: bool = False
+    tail: bool = False
+
+    @model_validator(mode="after")
+    def _one_bound(self) -> ModeConfig:
+        if self.eta is not None and self.staleness_threshold is not None:
+            raise ValueError("give eta or staleness_threshold, not both")
+        return self
+
+
+class RunSpec(_Section):
+    steps: int = Field(8, ge=1)
+    warmup_steps: int = Field(2, ge=0, description="steps left out of the per-step figures")
+    seed: int = 0
+
+
+class Published(_Section):
+    speedup: float | None = Field(None, gt=0, description="baseline time / candidate time")
+    step_s: float | None = Field(None, gt=0, description="candidate seconds per step")
+    source: str = ""
+    note: str = ""
+
+
+class Scenario(_Section):
+    name: str = "scenario"
+    description: str = ""
+    gpus: int = Field(8, ge=1)
+    gpu: GpuSpec
+    model: ModelSpec
+    decode: DecodeCost = DecodeCost()
+    train: TrainCost = TrainCost()
+    sync: SyncCost = SyncCost()
+    workload: Workload = Workload()
+    batch: Batch = Batch()
+    mode: ModeConfig = ModeConfig()
+    run: RunSpec = RunSpec()
+    baseline: ModeConfig | None = Field(None, description="--validate: the mode the speedup is against")
+    published: Published | None = None
+    fitted: list[str] = Field(default_factory=list, description="keys fitted on the calibration subset")
+    fit_subset: bool = Field(False, description="this target was used to fit the free parameters")
+    fit: list[dict[str, Any]] = Field(default_factory=list, description="fit terms (reflow/sim/fit.py)")
+
+    @model_validator(mode="after")
+    def _fits(self) -> Scenario:
+        for m in (self.mode, self.baseline):
+            if m is not None and m.mode != "sync":
+                n = m.rollout_gpus or self.gpus // 2
+                if not 1 <= n < self.gpus:
+                    raise ValueError(f"rollout_gpus must leave trainer GPUs: {n} of {self.gpus}")
+                if n % self.decode.tp:
+                    raise ValueError(f"rollout_gpus {n} is not a multiple of decode.tp {self.decode.tp}")
+        if self.gpus % self.decode.tp:
+            raise ValueError(f"gpus {self.gpus} is not a multiple of decode.tp {self.decode.tp}")
+        return self
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = (
+            _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        )
+    return out
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    if path in seen:
+        raise ConfigError(f"{path}: include cycle")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"scenario file {path} does not exist") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    includes = data.pop("include", [])
+    if not isinstance(includes, list):
+        raise ConfigError(f"{path}: include: must be a list of files")
+    merged: dict[str, Any] = {}
+    for inc in includes:
+        merged = _merge(merged, _read_yaml((path.parent / str(inc)).resolve(), (*seen, path)))
+    return _merge(merged, data)
+
+
+def validate_scenario(data: dict[str, Any], where: str = "scenario") -> Scenario:
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"{where}: invalid scenario:\n{_describe(e)}") from None
+
+
+def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scenario:
+    """Read a scenario YAML (with its includes), apply KEY=VALUE overrides, validate."""
+    p = Path(path).resolve()
+    data = apply_overrides(_read_yaml(p), list(overrides or []))
+    if data.get("workload", {}).get("lengths_from"):  # relative to the scenario file
+        data["workload"]["lengths_from"] = str((p.parent / data["workload"]["lengths_from"]).resolve())
+    return validate_scenario(data, str(path))

@@ -1,0 +1,194 @@
+"""The cost model of the cluster simulator: seconds for decode iterations, prefill, training, weight sync
+and role changes, and the sampler of response lengths, turns and tool-call latencies.
+
+Each formula is one function over the validated scenario sections (reflow/sim/config.py), so the
+simulator (reflow/sim/engine.py) and the planner read the same numbers. The forms are from
+decode is memory-bound (every iteration reads the active weights and the KV of
+every running sequence), training scales with tokens x 6 x active parameters, weight sync is a fixed
+cost plus bytes over bandwidth plus a gather.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from reflow.sim.config import DecodeCost, GpuSpec, ModelSpec, Scenario, SyncCost, TrainCost, Workload
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class DecodeModel:
+    """t_iter(b, C) = a + a_moe * (1 - (1 - top_k / experts) ** b) + per_seq_s * b + k * C, in seconds,
+    for an engine of `tp` GPUs. The MoE term: a batch of b tokens touches that share of the expert
+    weights that are not active for one token (all of them, soon, at large batch)."""
+
+    a: float
+    """Fixed part of an iteration: iter_fixed_s + active weight bytes / effective bandwidth."""
+    k: float
+    """Seconds per context token held (its KV is read every iteration)."""
+    per_seq_s: float
+    max_running: int
+    kv_capacity_tokens: float
+    prefill_s_per_token: float
+    a_moe: float = 0.0
+    """Seconds to read the inactive-for-one-token expert weights, all of them."""
+    miss: float = 1.0
+    """1 - top_k / experts: the chance that one token leaves a given expert untouched."""
+
+    def weights_s(self, b: int) -> float:
+        """Weight-reading seconds of one iteration of b sequences."""
+        return self.a + (self.a_moe * (1 - self.miss**b) if self.a_moe else 0.0)
+
+    def iter_s(self, b: int, context_tokens: float) -> float:
+        return self.weights_s(b) + self.per_seq_s * b + self.k * context_tokens
+
+    def tokens_per_s(self, b: int, context_tokens: float) -> float:
+        """Engine decode throughput (all sequences together)."""
+        return b / self.iter_s(b, context_tokens) if b else 0.0
+
+
+def decode_model(gpu: GpuSpec, model: ModelSpec, cost: DecodeCost, colocated: bool = True) -> DecodeModel:
+    bandwidth = gpu.hbm_gb_s * GB * cost.bw_efficiency * cost.tp * cost.tp_efficiency ** (cost.tp - 1)
+    active_bytes = model.active_b * 1e9 * model.bytes_per_param
+    share = cost.kv_memory_fraction if colocated else cost.separate_kv_memory_fraction
+    kv_room = gpu.memory_gb * GB * share * cost.tp - model.weight_gb * GB
+    if kv_room <= 0:
+        raise ValueError(
+            f"decode: {model.name} weights ({model.weight_gb:.0f} GB) do not fit in "
+            f"{cost.tp} x {gpu.memory_gb} GB x memory share {share} (decode.kv_memory_fraction)"
+        )
+    prefill_flops = gpu.bf16_tflops * 1e12 * cost.tp * cost.prefill_mfu
+    moe = {}
+    if model.experts and model.top_k:
+        moe = {
+            "a_moe": (model.weight_gb * GB - active_bytes) / bandwidth,
+            "miss": 1 - model.top_k / model.experts,
+        }
+    return DecodeModel(
+        **moe,
+        a=cost.iter_fixed_s + active_bytes / bandwidth,
+        k=model.kv_bytes_per_token / bandwidth,
+        per_seq_s=cost.per_seq_s
+        + 2 * model.active_b * 1e9 / (gpu.bf16_tflops * 1e12 * cost.tp * cost.decode_mfu),
+        max_running=cost.max_running,
+        kv_capacity_tokens=kv_room / model.kv_bytes_per_token,
+        prefill_s_per_token=2 * model.active_b * 1e9 / prefill_flops,
+    )
+
+
+def train_s(
+    tokens: float,
+    gpus: int,
+    gpu: GpuSpec,
+    model: ModelSpec,
+    cost: TrainCost,
+    recompute: bool,
+    colocated: bool = False,
+    fixed_share: float = 1.0,
+) -> float:
+    """Seconds for one update over `tokens` (prompt + response) on `gpus` trainer GPUs; `fixed_share`
+    of the fixed cost (a sync period split into mini-batches pays it once in all)."""
+    if tokens <= 0:
+        return 0.0
+    scale = 1.0 + cost.fsdp_alpha * math.log2(gpus / 8) if gpus > 8 else 1.0
+    mfu = cost.mfu * (cost.colocated_factor if colocated else 1.0)
+    compute = tokens * 6 * model.active_b * 1e9 * scale / (gpus * gpu.bf16_tflops * 1e12 * mfu)
+    return (cost.fixed_s * fixed_share + compute) * (
+        1 + cost.ref_factor + (cost.logprob_factor if recompute else 0.0)
+    )
+
+
+def sync_s(model: ModelSpec, cost: SyncCost, colocated: bool) -> float:
+    """One weight sync trainer -> engines."""
+    if colocated:
+        return cost.colocated_s
+    return cost.fixed_s + model.weight_gb / cost.bandwidth_gb_s + cost.gather_s_per_gb * model.weight_gb
+
+
+def role_change_s(cost: SyncCost) -> float:
+    """A slot changing role (rollout <-> trainer): cold start, weights loaded, group re-formed."""
+    return cost.role_change_s
+
+
+@dataclass
+class SampleShape:
+    prompt: int
+    turns: list[int]
+    """Response tokens of each assistant turn."""
+    tool_s: list[float]
+    """Tool-call seconds after each turn but the last."""
+    obs_tokens: int
+
+
+class LengthSampler:
+    """Draws sample shapes for one group at a time from the workload's distributions (or from a list of
+    measured response lengths, `lengths`, e.g. a replay store's), with its own seeded generator."""
+
+    def __init__(self, workload: Workload, seed: int, lengths: list[int] | None = None) -> None:
+        self.w = workload
+        self.rng = random.Random(seed)
+        self.lengths = lengths
+
+    def _lognormal(self, median: float, sigma: float) -> float:
+        return median * math.exp(self.rng.gauss(0.0, sigma)) if sigma > 0 else median
+
+    def group(self, n: int) -> list[SampleShape]:
+        w = self.w
+        factor = math.exp(self.rng.gauss(0.0, w.group_sigma)) if w.group_sigma > 0 else 1.0
+        return [self._sample(factor) for _ in range(n)]
+
+    def _sample(self, factor: float) -> SampleShape:
+        w = self.w
+        prompt = max(1, round(self._lognormal(w.prompt_tokens.median, w.prompt_tokens.sigma)))
+        n_turns = 1
+        if w.max_turns > 1 and w.turns_mean > 1:
+            p_more = 1 - 1 / w.turns_mean  # geometric number of extra turns, mean turns_mean - 1
+            while n_turns < w.max_turns and self.rng.random() < p_more:
+                n_turns += 1
+        budget = w.max_response_tokens
+        turns: list[int] = []
+        for _ in range(n_turns):
+            if self.lengths:
+                want = self.rng.choice(self.lengths)
+            else:
+                want = self._lognormal(w.response_tokens.median * factor, w.response_tokens.sigma)
+            tokens = min(budget, max(1, round(want)))
+            turns.append(tokens)
+            budget -= tokens
+            if budget <= 0:
+                break
+        tool = [self._lognormal(w.tool_latency_s.median, w.tool_latency_s.sigma) for _ in turns[1:]]
+        return SampleShape(prompt, turns, tool, w.obs_tokens)
+
+
+def load_lengths(path: str) -> list[int]:
+    """Response lengths (generated tokens per episode) of a real run: a replay store (.sqlite) or a
+    `reflow replay export` JSONL file."""
+    import json
+
+    if path.endswith(".jsonl"):
+        with open(path, encoding="utf-8") as f:
+            out = [int(json.loads(line)["n_generated_tokens"]) for line in f if line.strip()]
+    else:
+        from reflow.replay.store import ReplayStore
+
+        with ReplayStore(path) as store:
+            out = [sum(len(t.completion_ids) for t in e.turns) for e in store.episodes(run=None)]
+    out = [n for n in out if n > 0]
+    if not out:
+        raise ValueError(f"{path}: no episodes with generated tokens")
+    return out
+
+
+def scenario_costs(s: Scenario) -> dict[str, float]:
+    """Headline figures of a scenario's cost model, for the printed tables."""
+    d = decode_model(s.gpu, s.model, s.decode)
+    return {
+        "decode_tok_s_b1": d.tokens_per_s(1, 1000),
+        "decode_tok_s_b64": d.tokens_per_s(64, 64 * 2000),
+        "kv_capacity_tokens": d.kv_capacity_tokens,
+        "sync_s": sync_s(s.model, s.sync, colocated=False),
+    }

@@ -1,0 +1,104 @@
+"""The planning helper (`reflow simulate --plan`): a small grid over the rollout:train split, the staleness
+bound eta and the reuse cap K, each point simulated with the runtime's own policies (async: admission
+control; reflow: plus the dual replay cycle), ranked by predicted trained tokens/s. Results are
+simulated and say so.
+
+What it owns: the grid, the ranking and the table. The scenario (GPU, model, workload, costs) comes from
+the workload file with `--model-size` and `--gpus` applied on top.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from reflow.sim.config import ModeConfig, Scenario
+from reflow.sim.engine import simulate
+
+SPLITS = (0.25, 0.5, 0.75)
+"""Rollout share of the GPUs tried by default."""
+ETAS = (1, 2)
+REUSE = (1, 2)
+"""Reuse caps K (CycleConfig.max_reuse) tried for reflow; K = 1 trains every sample once."""
+
+
+@dataclass
+class PlanRow:
+    mode: str
+    rollout_gpus: int | None
+    train_gpus: int | None
+    eta: int | None
+    max_reuse: int | None
+    summary: dict[str, Any]
+
+    @property
+    def trained_tok_s(self) -> float:
+        return float(self.summary["trained_tokens_per_s"])
+
+
+def model_file(size: str, folder: str | Path = "configs/sim/models") -> Path:
+    """The model file for a size such as 8B (configs/sim/models/*-8b.yaml); exactly one must match."""
+    hits = sorted(Path(folder).glob(f"*-{size.lower()}.yaml"))
+    if len(hits) != 1:
+        names = ", ".join(p.stem for p in sorted(Path(folder).glob("*.yaml")))
+        raise ValueError(f"--model-size {size}: {len(hits)} model files match in {folder} (have: {names})")
+    return hits[0]
+
+
+def rollout_gpu_choices(s: Scenario, splits: tuple[float, ...]) -> list[int]:
+    """Rollout GPU counts for the split shares: whole engines (decode.tp), at least one trainer GPU."""
+    tp = s.decode.tp
+    out = []
+    for share in splits:
+        n = max(tp, round(s.gpus * share / tp) * tp)
+        if n < s.gpus and n not in out:
+            out.append(n)
+    if not out:
+        raise ValueError(f"{s.gpus} GPUs leave no rollout:train split with {tp}-GPU engines")
+    return out
+
+
+def plan(
+    s: Scenario,
+    splits: tuple[float, ...] = SPLITS,
+    etas: tuple[int, ...] = ETAS,
+    reuse: tuple[int, ...] = REUSE,
+) -> list[PlanRow]:
+    """Every grid point plus the colocated sync baseline, best predicted trained tokens/s first."""
+    cycle = dict(s.mode.cycle) if s.mode.mode == "reflow" else {}
+    rows = [PlanRow("sync", None, None, 0, None, simulate(s, ModeConfig(mode="sync")))]
+    for r in rollout_gpu_choices(s, splits):
+        for eta in etas:
+            mode = ModeConfig(mode="async", rollout_gpus=r, eta=eta)
+            rows.append(PlanRow("async", r, s.gpus - r, eta, None, simulate(s, mode)))
+            for k in reuse:
+                mode = ModeConfig(mode="reflow", rollout_gpus=r, eta=eta, cycle={**cycle, "max_reuse": k})
+                rows.append(PlanRow("reflow", r, s.gpus - r, eta, k, simulate(s, mode)))
+    return sorted(rows, key=lambda row: -row.trained_tok_s)
+
+
+def markdown(s: Scenario, rows: list[PlanRow], top: int = 5) -> str:
+    sync = next(r for r in rows if r.mode == "sync").trained_tok_s
+    best = rows[0]
+    split = "colocated" if best.mode == "sync" else f"{best.rollout_gpus}:{best.train_gpus}"
+    lines = [
+        f"plan for {s.name}: {s.gpus} x {s.gpu.name}, {s.model.name} (simulated)",
+        f"recommended: {best.mode} {split} eta={best.eta} K={best.max_reuse or 1} "
+        f"({best.trained_tok_s:.0f} trained tok/s, {best.trained_tok_s / sync:.2f}x sync)",
+        "",
+        "| rank | mode | rollout:train | eta | K | trained tok/s | vs sync | s/step | rollout idle | "
+        "trainer idle | staleness | replay |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    shown = rows[:top] + [r for r in rows[top:] if r.mode == "sync"]
+    for r in shown:
+        m = r.summary
+        split = "colocated" if r.mode == "sync" else f"{r.rollout_gpus}:{r.train_gpus}"
+        rank = rows.index(r) + 1
+        lines.append(
+            f"| {rank} | {r.mode} | {split} | {r.eta} | {r.max_reuse or 1} | {r.trained_tok_s:.0f} | "
+            f"{r.trained_tok_s / sync:.2f}x | {m['seconds_per_step']:.1f} | {m['rollout_idle_ratio']:.2f} | "
+            f"{m['trainer_idle_ratio']:.2f} | {m['staleness_mean']:.2f} | {m['replay_fraction']:.2f} |"
+        )
+    return "\n".join(lines)

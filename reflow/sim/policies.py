@@ -1,0 +1,217 @@
+"""The seam between the simulator and the runtime's policy objects: one function per policy call.
+
+Each function builds the policy's own observation from simulated state, calls the runtime's object
+(`reflow.replay.cycle.AdmissionControl`, `reflow.sched.elastic.ElasticPolicy`,
+`reflow.sched.tail.TailPolicy`) and applies its decision to the simulation, recording the decision as
+an event. No decision logic lives here: only the translation of units (engines are slots, samples are
+the work unit) and the application of the actions with their costs from the cost model.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from reflow.replay.cycle import AdmissionControl
+from reflow.sched.elastic import (
+    ElasticConfig,
+    ElasticObservation,
+    ElasticPolicy,
+    RoleChangeCost,
+    reuse_from_share,
+)
+from reflow.sched.tail import (
+    CarryOver,
+    EngineState,
+    FreeSlot,
+    InFlightEpisode,
+    Migrate,
+    OverProvision,
+    Quantiles,
+    SetConcurrency,
+    TailConfig,
+    TailObservation,
+    TailPolicy,
+)
+from reflow.sim.config import ModeConfig, Scenario
+from reflow.sim.costs import role_change_s
+
+if TYPE_CHECKING:
+    from reflow.sim.engine import Simulation
+
+
+def admission_for(m: ModeConfig, groups_per_step: int) -> tuple[AdmissionControl, int]:
+    """The admission control for a mode, and the factor the policy version is scaled by when asking it.
+
+    eta (AReaL): AdmissionControl(eta, B), asked at version v. verl's fractional staleness threshold s
+    (at most (1 + s) * B samples per sync period) is the same bound in units of single groups:
+    AdmissionControl(round((1 + s) * B) - 1, 1) asked at version v * B, whose capacity is
+    v * B + round((1 + s) * B), i.e. (v + 1 + s) * B. sync is eta = 0, one_step_off eta = 1."""
+    if m.mode == "sync":
+        return AdmissionControl(0, groups_per_step), 1
+    if m.mode == "one_step_off":
+        return AdmissionControl(1 if m.eta is None else m.eta, groups_per_step), 1
+    if m.staleness_threshold is not None:
+        return AdmissionControl(round((1 + m.staleness_threshold) * groups_per_step) - 1, 1), groups_per_step
+    return AdmissionControl(1 if m.eta is None else m.eta, groups_per_step), 1
+
+
+# ---- elastic pool
+
+
+def make_elastic(s: Scenario) -> ElasticPolicy:
+    return ElasticPolicy(ElasticConfig(initial_change_cost_s=role_change_s(s.sync)))
+
+
+def elastic_step(sim: Simulation) -> None:
+    """At a version boundary: measure the last interval's per-slot rates, ask ElasticPolicy, apply."""
+    rec, now = sim.rec, sim.now
+    busy, alive = rec.rollout_busy(sim, now)
+    snap = (
+        now,
+        busy,
+        alive,
+        rec.samples_generated,
+        rec.trainer_busy_s,
+        rec.samples_trained,
+        rec.replayed_groups,
+        rec.groups_trained,
+    )
+    last = sim.elastic_snap or (0.0,) * len(snap)
+    sim.elastic_snap = snap
+    d = [a - b for a, b in zip(snap, last, strict=True)]
+    dt, d_busy, d_alive, d_gen, d_train_busy, d_trained, d_replay, d_groups = d
+    tp = sim.s.decode.tp
+    n = sum(e.alive for e in sim.engines)
+    m = sim.train_gpus // tp
+    share = min(0.95, d_replay / d_groups) if d_groups else 0.0
+    obs = ElasticObservation(
+        step=len(rec.steps),
+        version=sim.version,
+        steps_since_change=len(rec.steps) - sim.elastic_changed_at,
+        rollout_slots=n,
+        train_slots=m,
+        rollout_rate=d_gen / d_busy if d_busy > 0 else 0.0,
+        train_rate=d_trained / (d_train_busy * m) if d_train_busy > 0 and m else 0.0,
+        batch_size=float(sim.B * sim.s.batch.samples_per_group),
+        reuse=reuse_from_share(share),
+        rollout_idle=min(1.0, max(0.0, 1 - d_busy / d_alive)) if d_alive > 0 else 0.0,
+        train_idle=min(1.0, max(0.0, 1 - d_train_busy / dt)) if dt > 0 else 0.0,
+        fresh_waiting=sim.store.fresh_count(),
+        in_flight=sim.store.in_flight(),
+        to_rollout_cost=sim.cost_to_rollout,
+        to_train_cost=sim.cost_to_train,
+    )
+    decision = sim.elastic.decide(obs)
+    rec.event(
+        {
+            "kind": "elastic",
+            "t": now,
+            "version": sim.version,
+            "action": decision.action,
+            "rollout_slots": decision.rollout_slots,
+            "train_slots": decision.train_slots,
+            "gain_s": decision.gain_s,
+            "cost_s": decision.cost_s,
+            "reason": decision.reason,
+        }
+    )
+    if not decision.moves:
+        return
+    cost = role_change_s(sim.s.sync)
+    sim.elastic_changed_at = len(rec.steps)
+    if decision.action == "to_train":
+        victim = min((e for e in sim.engines if e.alive), key=lambda e: (e.b, -e.eid))
+        _evacuate(sim, victim)
+        victim.alive = False
+        rec.retire(victim, now)
+        sim.recount()
+        sim.cost_to_train = RoleChangeCost(actor_start_s=cost)
+        sim.push(now + cost, "role_done", ("train", tp))
+    else:
+        sim.train_gpus -= tp
+        sim.cost_to_rollout = RoleChangeCost(actor_start_s=cost)
+        sim.push(now + cost, "role_done", ("engine", tp))
+    sim.trainer_blocked += 1  # the trainer group re-forms in either direction
+    sim.recount()
+
+
+def _evacuate(sim: Simulation, engine) -> None:
+    """Resubmit an engine's sequences with their exact token prefix (re-prefilled elsewhere)."""
+    engine.advance(sim.now)
+    for _, _, req in list(engine.running):
+        sim.rec.generated(engine.remove(req))
+        sim.n_running -= 1
+        sim.prefilling += 1
+        sim.push(sim.now + req.ctx * sim.dm.prefill_s_per_token, "ready", req)
+    engine.token += 1
+
+
+# ---- tail scheduler
+
+
+def make_tail(s: Scenario) -> TailPolicy:
+    return TailPolicy(TailConfig())
+
+
+def tail_step(sim: Simulation) -> None:
+    """Ask TailPolicy about the running batch and apply its actions."""
+    if sim.store.in_flight() > max(8, sim.B // 4) and sim.rec.steps:
+        return  # no tail yet: most of the batch is still running
+    now, engines = sim.now, {f"e{e.eid}": e for e in sim.engines if e.alive}
+    reqs = {}
+    episodes = []
+    for eid, e in engines.items():
+        e.advance(now)
+        for _, rid, req in e.running:
+            reqs[str(rid)] = req
+            episodes.append(
+                InFlightEpisode(
+                    str(rid), req.group.gid, eid, req.turn, int(req.ctx + e.S - req.s0), now - req.started_at
+                )
+            )
+    ctx_mean = sum(ep.tokens for ep in episodes) / len(episodes) if episodes else 1000.0
+    states = []
+    for eid, e in engines.items():
+        curve = tuple((c, sim.dm.tokens_per_s(c, c * ctx_mean)) for c in _powers(sim.dm.max_running))
+        states.append(EngineState(eid, e.b, e.max_running, curve))
+    obs = TailObservation(
+        batch_target=sim.B,
+        groups_done=sim.store.fresh_count(),
+        episodes=tuple(episodes),
+        engines=tuple(states),
+        group_seconds=Quantiles.observed(sim.rec.group_seconds),
+        episode_seconds=Quantiles.observed(sim.rec.episode_seconds),
+        prefill_tokens_per_s=1.0 / sim.dm.prefill_s_per_token,
+        groups_queued=len({r.group.gid for r in sim.queue}),
+        next_batch_room=sim.admission_room(),
+    )
+    for action in sim.tail.decide(obs):
+        sim.rec.event({"kind": action.kind, "t": now, "version": sim.version, "reason": action.reason})
+        if isinstance(action, OverProvision):
+            sim.extra_room = max(sim.extra_room, action.start - obs.next_batch_room)
+        elif isinstance(action, SetConcurrency):
+            engines[action.engine].max_running = action.concurrency
+            sim.recount()
+        elif isinstance(action, Migrate):
+            req, src = reqs[action.episode], engines[action.source]
+            sim.rec.generated(src.remove(req))
+            sim.n_running -= 1
+            src.token += 1
+            sim.reschedule(src)
+            sim.push(
+                now + action.tokens * sim.dm.prefill_s_per_token, "migrated", (req, engines[action.target])
+            )
+        elif isinstance(action, (CarryOver, FreeSlot)):
+            pass  # CarryOver: unfinished groups already continue as partial rollouts (tail mode implies
+            # partial_rollout); FreeSlot: the emptied engine takes the next groups admission allows.
+    sim.blocked = False
+    sim.dispatch()
+    sim.fill()
+
+
+def _powers(limit: int) -> list[int]:
+    out, c = [], 1
+    while c < limit:
+        out.append(c)
+        c *= 2
+    return [*out, limit]

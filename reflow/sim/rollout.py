@@ -1,0 +1,116 @@
+"""Simulated rollout engines: continuous batching as processor sharing, and the requests they serve.
+
+Every running sequence of an engine gains one token per decode iteration, and an iteration of b
+sequences holding C context tokens costs `DecodeModel.iter_s(b, C)`; so a service counter S (tokens
+per sequence so far) is all the engine advances, in closed form between events (the iteration cost
+grows linearly with S, since every sequence's context does). A sequence is admitted while its whole
+turn fits in the KV cache beside the others (`Engine.has_room`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+from reflow.sim.costs import DecodeModel, SampleShape
+
+
+@dataclass(eq=False)
+class Request:
+    group: GroupState
+    shape: SampleShape
+    turn: int = 0
+    ctx: float = 0.0
+    """Context tokens when this turn was admitted (prompt + earlier turns + tool output)."""
+    left: float = 0.0
+    """Tokens still to generate in this turn."""
+    s0: float = 0.0
+    engine: Engine | None = None
+    versions: set[int] = field(default_factory=set)
+    started_at: float = 0.0
+    resumed: bool = False
+    """Taken off an engine mid-turn (consolidation, role change): resubmitted with its token prefix."""
+
+
+@dataclass(eq=False)
+class GroupState:
+    gid: str
+    version: int
+    pending: int
+    started_at: float
+    tokens: int = 0
+    """Prompt + generated + tool tokens of all its samples: what a train step over it processes."""
+    partial: bool = False
+
+
+class Engine:
+    """One rollout engine (tp GPUs): its running sequences as processor sharing with a service counter S."""
+
+    def __init__(self, eid: int, dm: DecodeModel) -> None:
+        self.eid, self.dm = eid, dm
+        self.running: list[tuple[float, int, Request]] = []  # heap of (S at which the turn ends, id, req)
+        self.S = 0.0
+        self.base = 0.0  # sum over running of (ctx_i - s0_i): context = base + b * S
+        self.t = 0.0
+        self.paused = 0
+        self.alive = True
+        self.token = 0
+        self.busy_s = 0.0
+        self.max_running = dm.max_running
+        self.reserved = 0.0  # sum over running of their turn's final context
+
+    @property
+    def b(self) -> int:
+        return len(self.running)
+
+    def context(self) -> float:
+        return self.base + self.b * self.S
+
+    def _ab(self) -> tuple[float, float]:
+        dm, b = self.dm, self.b
+        return dm.k * b / 2, dm.weights_s(b) + dm.per_seq_s * b + dm.k * self.base + dm.k * b * self.S
+
+    def advance(self, now: float) -> None:
+        dt = now - self.t
+        if dt > 0 and self.b and not self.paused:
+            alpha, beta = self._ab()  # t(d) = beta * d + alpha * d^2 for d tokens per sequence
+            self.S += 2 * dt / (beta + math.sqrt(beta * beta + 4 * alpha * dt))
+            self.busy_s += dt
+        self.t = max(self.t, now)
+
+    def next_event(self) -> float | None:
+        """When the next turn ends (None: nothing runs)."""
+        if not self.running or self.paused:
+            return None
+        alpha, beta = self._ab()
+        d = max(0.0, self.running[0][0] - self.S)
+        return self.t + beta * d + alpha * d * d
+
+    def has_room(self, req: Request) -> bool:
+        """Whether the sequence's whole turn fits in the KV cache beside the others' whole turns. The
+        simulator knows each turn's length, so it reserves instead of modelling vLLM's preemptions
+        (admit on current use, recompute the newest when full): the same KV-bound concurrency, without
+        the thrashing, at about half the cache use; kv_memory_fraction is fitted with this rule."""
+        if not self.alive or self.b >= self.max_running:
+            return False
+        return self.b == 0 or self.reserved + req.ctx + req.left <= self.dm.kv_capacity_tokens
+
+    def admit(self, req: Request, seq: int) -> None:
+        req.engine, req.s0 = self, self.S
+        self.base += req.ctx - self.S
+        self.reserved += req.ctx + req.left
+        heapq.heappush(self.running, (self.S + req.left, seq, req))
+
+    def remove(self, req: Request) -> float:
+        """Take a request off (consolidation, role change): its progress so far is kept in `req`.
+        Returns the tokens it generated on this engine."""
+        done = self.S - req.s0
+        self.running = [e for e in self.running if e[2] is not req]
+        heapq.heapify(self.running)
+        self.base -= req.ctx - req.s0
+        self.reserved -= req.ctx + req.left
+        req.ctx += done
+        req.left -= done
+        req.engine, req.resumed = None, True
+        return done

@@ -1,0 +1,72 @@
+"""The trainer's and the loss's settings: plain dataclasses with no torch, so that the run config
+(`reflow.config`: `train:` and `train.loss:`) holds them or reads their defaults, each defined once
+here, without importing torch. `reflow.train.trainer` and `reflow.train.losses` use them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+
+@dataclass
+class LossConfig:
+    __pydantic_config__: ClassVar[dict[str, Any]] = {
+        "extra": "forbid"
+    }  # as the `train.loss` config section: unknown keys are errors
+
+    kind: Literal["decoupled_ppo", "tis"] = "decoupled_ppo"
+    clip_eps: float = 0.2
+    """Lower clip: u is clipped at 1 - clip_eps."""
+    clip_eps_high: float = 0.28
+    """Upper clip: u is clipped at 1 + clip_eps_high (DAPO's clip-higher keeps exploration alive)."""
+    behav_weight_cap: float = 5.0
+    """Decoupled PPO: tokens with w = pi_prox / pi_behav above this are masked out of the loss."""
+    tis_cap: float = 2.0
+    """Truncated IS: w = min(pi_prox / pi_behav, tis_cap)."""
+    agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
+    """token_mean: mean over all valid tokens of the batch (long answers weigh more);
+    seq_mean_token_mean: mean over each row's valid tokens, then over rows that have any."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("decoupled_ppo", "tis"):
+            raise ValueError(f"unknown loss kind {self.kind!r}")
+        if self.agg not in ("token_mean", "seq_mean_token_mean"):
+            raise ValueError(f"unknown aggregation {self.agg!r}")
+        if not 0.0 <= self.clip_eps < 1.0 or self.clip_eps_high < 0.0:
+            raise ValueError("need 0 <= clip_eps < 1 and clip_eps_high >= 0")
+        if self.behav_weight_cap <= 0.0 or self.tis_cap <= 0.0:
+            raise ValueError("weight caps must be positive")
+
+
+@dataclass
+class TrainerConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    micro_batch_tokens: int = 16384
+    loss: LossConfig = field(default_factory=LossConfig)
+    behaviour_is_prox: bool = True
+    """Sync mode: the sampling policy is the pre-update policy, so the IS weight is exactly 1 and the
+    engine's log-probs are not used. False: behaviour log-probs are the engine's, so the weight
+    pi_prox / pi_behav corrects staleness and the engine-trainer mismatch (capped or truncated by the
+    loss). The gap is logged either way (engine_kl, engine_gap_max, is_ess)."""
+    temperature: float = 1.0
+    """The sampling temperature: log-probs are taken under the same tempered distribution."""
+    bf16: bool | None = None
+    """bf16 autocast; None: on GPU only (see PolicyTrainer.__init__)."""
+    seed: int = 0
+    minibatches: int = 1
+    """Optimizer steps per batch: the rows are split into this many shuffled mini-batches (verl's
+    ppo_mini_batch_size). With more than one, prox is the weights before the first step (see
+    `prox_logp`), and the PPO clip keeps the later steps near it."""
+    epochs: int = 1
+    """Passes over the batch's mini-batches (PPO epochs)."""
+    prox_logp: Literal["recompute", "loglinear"] = "recompute"
+    """How later updates get prox log-probs: "recompute" (a no-grad forward before the first update) or
+    "loglinear" (no extra forward: per token, log pi_prox ~ log pi_behav + alpha (log pi_theta -
+    log pi_behav) with alpha = (v_prox - v_behav) / (v_prox + 1 - v_behav), AReaL's approximation).
+    The first update always uses the exact, free detached log-probs of its own forward pass."""
+
+    def __post_init__(self) -> None:
+        if self.prox_logp not in ("recompute", "loglinear"):
+            raise ValueError(f"prox_logp must be 'recompute' or 'loglinear', got {self.prox_logp!r}")

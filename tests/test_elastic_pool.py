@@ -1,0 +1,414 @@
+"""The elastic pool on Ray (F7 points 2 and 4): slots change role mid-run without losing a group or
+turning an engine's weights back, the re-formed FSDP2 group trains like a freshly formed one, each
+change's cost is measured per part, and roles placed on different nodes of a multi-node cluster
+exchange weights through Ray's object store. The observation arithmetic is tested without Ray."""
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from run_helpers import PARITY_ENV, SMALL_ROLLOUT, TINY_MODEL
+
+from reflow.config import load_config
+from reflow.sched.elastic import ElasticConfig, ElasticPolicy, RoleChangeCost
+from reflow.sched.elastic_runtime import Interval, Totals, observe, worker_to_drain
+
+TESTS = Path(__file__).parent
+
+# A tiny model and the parity env (see tests/test_agent_train.py): seconds per group.
+BASE = [
+    *PARITY_ENV,
+    "mode=async",
+    *TINY_MODEL,
+    *(o for o in SMALL_ROLLOUT if not o.startswith("rollout.groups_per_step")),
+    "train.lr=1e-2",
+    "resources.threads_per_slot=1",
+]
+
+
+# -- the observation, as arithmetic ----------------------------------------------------------------
+
+
+def test_observation_rates_and_idle_ratios_from_an_interval():
+    then = Totals(wall_s=10.0, rollout_busy_s=12.0, generated=40, trainer_busy_s=3.0, trained=32)
+    now = Totals(wall_s=30.0, rollout_busy_s=42.0, generated=100, trainer_busy_s=8.0, trained=64)
+    interval = Interval.between(then, now)
+    assert interval == Interval(
+        seconds=20.0, rollout_busy_s=30.0, generated=60, trainer_busy_s=5.0, trained=32
+    )
+    obs = observe(
+        interval, step=4, version=4, steps_since_change=4, rollout_slots=2, train_slots=1,
+        batch_size=16, replay_share=0.5,
+    )  # fmt: skip
+    assert obs.rollout_rate == pytest.approx(60 / 30)  # per busy slot-second
+    assert obs.train_rate == pytest.approx(32 / (5 * 1))
+    assert obs.rollout_idle == pytest.approx(1 - 30 / (2 * 20))
+    assert obs.train_idle == pytest.approx(1 - 5 / 20)
+    assert obs.reuse == pytest.approx(2.0)  # half of every batch replayed: each sample trained twice
+    two_ranks = observe(interval, step=4, version=4, steps_since_change=4, rollout_slots=2, train_slots=2,
+                        batch_size=16)  # fmt: skip
+    assert two_ranks.train_rate == pytest.approx(obs.train_rate / 2)  # the same step on two slots
+    assert two_ranks.reuse == 1.0
+
+
+def test_observation_of_an_idle_side_has_no_rate_and_the_policy_holds():
+    interval = Interval(seconds=5.0, rollout_busy_s=0.0, generated=0, trainer_busy_s=6.0, trained=8)
+    obs = observe(
+        interval, step=9, version=9, steps_since_change=9, rollout_slots=1, train_slots=1, batch_size=8
+    )
+    assert obs.rollout_rate == 0.0 and obs.rollout_idle == 1.0
+    assert obs.train_idle == 0.0  # busy a little longer than the interval (an eval pause): clamped
+    assert ElasticPolicy().decide(obs).action == "hold"
+    with pytest.raises(ValueError, match="backwards"):
+        Interval.between(Totals(wall_s=2.0), Totals(wall_s=1.0))
+
+
+def test_observation_feeds_the_policy_a_move_when_rollout_starves_the_trainer():
+    # 2 rollout slots make 1 sample/s each, 2 train slots could train 4/s each: training waits
+    interval = Interval(seconds=10.0, rollout_busy_s=20.0, generated=20, trainer_busy_s=2.5, trained=20)
+    cost = RoleChangeCost(actor_start_s=1.0, weight_load_s=0.5, group_reform_s=0.5)
+    obs = observe(interval, step=6, version=6, steps_since_change=6, rollout_slots=2, train_slots=2,
+                  batch_size=8, to_rollout_cost=cost)  # fmt: skip
+    decision = ElasticPolicy(ElasticConfig(min_dwell_steps=2)).decide(obs)
+    # T(2, 2) = min(2 x 1, 2 x 4) = 2/s; T(3, 1) = min(3, 4) = 3/s: step 4 s -> 2.67 s, x10 steps >> 2 s x 1.5
+    assert decision.action == "to_rollout"
+    assert decision.cost_s == pytest.approx(2.0)
+
+
+def test_the_drained_worker_is_the_one_with_the_fewest_groups_in_flight():
+    assert worker_to_drain([3, 1, 2]) == 1
+    assert worker_to_drain([2, 2]) == 1  # ties: the last (highest slot)
+    with pytest.raises(ValueError):
+        worker_to_drain([])
+
+
+class _RecordingPool:
+    """What `ElasticRuntime` needs of a `ResourcePool`; `move` records the call and returns a change."""
+
+    def __init__(self, roles):
+        from types import SimpleNamespace
+
+        self.slots = [SimpleNamespace(index=i, role=r) for i, r in enumerate(roles)]
+        self.moves = []
+
+    @property
+    def rollout_slots(self):
+        return [s for s in self.slots if s.role == "rollout"]
+
+    @property
+    def rollout(self):
+        return [f"worker-{s.index}" for s in self.rollout_slots]
+
+    @property
+    def trainers(self):
+        return [f"rank-on-{s.index}" for s in self.slots if s.role == "train"]
+
+    def move(self, slot, to_role, in_flight=None, drain_timeout_s=None):
+        from reflow.sched.role_change import RoleChange
+
+        self.moves.append((slot, to_role, in_flight))
+        index = slot if isinstance(slot, int) else [s.index for s in self.slots if s.role == slot][-1]
+        from_role = self.slots[index].role
+        self.slots[index].role = to_role
+        cost = RoleChangeCost(actor_start_s=4.0, weight_load_s=0.5, group_reform_s=1.5)
+        return RoleChange(index, from_role, to_role, 6, cost, drain_s=0.25, wall_s=6.3, roles=["x"])
+
+
+def test_the_runtime_moves_the_least_busy_worker_and_remembers_the_measured_cost():
+    from reflow.sched.elastic_runtime import ElasticRuntime
+
+    pool = _RecordingPool(["rollout", "train", "rollout", "rollout"])
+    runtime = ElasticRuntime(pool, ElasticPolicy(ElasticConfig(min_dwell_steps=0)), batch_size=32)
+    # 3 rollout slots make 4 samples/s each, 1 train slot trains 2/s: rollout waits on training;
+    # T(3, 1) = 2/s, T(2, 2) = 4/s: a step 16 s -> 8 s, 80 s over 10 steps > 1.5 x the assumed 30 s
+    interval = Interval(seconds=10.0, rollout_busy_s=10.0, generated=40, trainer_busy_s=10.0, trained=20)
+    in_flight = {"ref-a": (0, ["g1"]), "ref-b": (0, ["g2"]), "ref-c": (2, ["g3"]), "ref-d": (1, ["g4"])}
+    event, change = runtime.at_boundary(interval, step=6, version=6, in_flight=in_flight)
+    # workers 1 and 2 (slots 2 and 3) have one group each: the last of them drains, with its group only
+    assert pool.moves == [(3, "train", {"ref-c": ["g3"]})], event["why"]
+    assert event["what"] == "to_train: slot 3: rollout -> train" and "gain" in event["why"]
+    assert event["cost_s"] == pytest.approx(6.0) and event["drain_s"] == 0.25
+    assert runtime.costs["to_train"] == change.cost and runtime.costs["to_rollout"] is None
+    # asked again at the same version: no second move
+    event, change = runtime.at_boundary(interval, step=6, version=6)
+    assert change is None and event["what"] == "hold" and "already moved" in event["why"]
+
+
+def test_a_move_takes_a_slot_that_can_change_role_and_names_one_that_cannot():
+    from reflow.sched.pool import ResourcePool, Slot
+
+    pool = object.__new__(ResourcePool)  # pick_slot reads the slots only
+    pool.slots = [Slot(0, "rollout"), Slot(1, "rollout"), Slot(2, "train")]
+    assert pool.pick_slot("rollout", "train").index == 1  # a role: its last slot
+    assert pool.pick_slot(0, "train").index == 0
+    with pytest.raises(ValueError, match="last 'train' slot"):
+        pool.pick_slot("train", "rollout")
+    with pytest.raises(ValueError, match="already has role"):
+        pool.pick_slot(2, "train")
+    with pytest.raises(ValueError, match="no slot 7"):
+        pool.pick_slot(7, "train")
+    with pytest.raises(ValueError, match="unknown role 'eval'"):
+        pool.pick_slot(0, "eval")
+
+
+def test_placement_config_is_checked():
+    from reflow.config import ConfigError
+
+    cfg = load_config(
+        None, [*BASE, "resources.placement={rollout: {node_resource: a}, train: {strategy: SPREAD}}"]
+    )
+    assert cfg.resources.placement["rollout"].node_resource == "a"
+    assert cfg.resources.placement["train"].strategy == "SPREAD"
+    with pytest.raises(ConfigError, match="placement"):
+        load_config(None, [*BASE, "resources.placement={train: {strategy: SIDEWAYS}}"])
+
+
+# -- on Ray ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def ray_env(monkeypatch):
+    """Ray workers import the test envs: they inherit PYTHONPATH from the driver."""
+    import ray
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    yield
+    ray.shutdown()
+
+
+def _model_path(config) -> str:
+    from reflow.models.presets import resolve_model_path
+
+    return str(resolve_model_path(config.model, **config.model_overrides))
+
+
+def _generate(pool, worker: int, seeds: list[int]) -> list:
+    import ray
+
+    return ray.get(pool.rollout[worker].generate.remote(seeds))
+
+
+def _stored(pool, group_ids: list[str]) -> dict[str, dict]:
+    import ray
+
+    groups = ray.get([pool.replay.group.remote(g) for g in group_ids])
+    return {g.group_id: [e.to_dict() for e in g.episodes] for g in groups}
+
+
+def _sync(pool, version: int) -> list[int]:
+    import ray
+
+    ref = pool.state_dict_ref()
+    return ray.get([w.update_weights.remote(ref, version) for w in pool.rollout])
+
+
+def _full_state(pool) -> list:
+    """Rank 0's (weights, rest of the state); every rank is called (a collective)."""
+    import ray
+
+    refs = [t.full_state.options(num_returns=2).remote() for t in pool.trainers]
+    return ray.get(list(refs[0]))
+
+
+def _assert_cost_parts(change) -> None:
+    cost = change.cost
+    for part in (cost.actor_start_s, cost.weight_load_s, cost.group_reform_s):
+        assert part > 0
+    # timed one after another on the driver: the parts and the drain make up the wall time
+    assert cost.total_s + change.drain_s == pytest.approx(change.wall_s, rel=0.05, abs=0.05)
+
+
+def _fresh_group_step(config, model_path, replay, state, group_ids, step):
+    """A freshly formed 2-rank group loads `state` and trains one step: (metrics, full weights)."""
+    import ray
+
+    from reflow.sched.workers import TrainerRank
+
+    ranks = [
+        ray.remote(TrainerRank).options(num_cpus=1).remote(config, model_path, replay, r, 2) for r in (0, 1)
+    ]
+    try:
+        master = ray.get(ranks[0].master_address.remote())
+        ray.get([r.setup.remote(master) for r in ranks])
+        ray.get([r.load_full_state.remote(*state) for r in ranks])
+        metrics = ray.get([r.train_step.remote(group_ids, step) for r in ranks])[0]
+        weights = ray.get([r.state_dict.remote() for r in ranks])[0]
+    finally:
+        for r in ranks:
+            ray.kill(r)
+    return metrics, weights
+
+
+@pytest.mark.slow
+def test_role_changes_both_ways_keep_groups_versions_and_gradients(tmp_path, ray_env):
+    import ray
+
+    from reflow.sched.pool import ResourcePool
+
+    ray.init(num_cpus=6, include_dashboard=False)
+    config = load_config(None, [*BASE, f"out_dir={tmp_path}", "resources.slots=[rollout, rollout, train]"])
+    model_path = _model_path(config)
+    pool = ResourcePool(config, model_path, tmp_path)
+    try:
+        reports = _generate(pool, 0, [0, 1]) + _generate(pool, 1, [2, 3])
+        acked = [r.group_id for r in reports]
+        before = _stored(pool, acked)
+        pool.train_step(acked[:2], 1)
+        assert _sync(pool, 1) == [1, 1]
+        engine_versions = pool.weight_versions()
+
+        # rollout -> train while slot 1 has two groups in flight: they finish and are stored
+        ids = [uuid.uuid4().hex, uuid.uuid4().hex]
+        for g in ids:
+            ray.get(pool.replay.begin_group.remote(g, 1))
+        in_flight = {pool.rollout[1].generate.remote([10, 11], ids): ids}
+        pre_move = _full_state(pool)
+        change = pool.move(1, "train", in_flight)
+        assert change.roles == pool.roles() == ["rollout", "train", "train"]
+        assert (change.from_role, change.to_role, change.version) == ("rollout", "train", 1)
+        assert sorted(r.group_id for r in change.drained) == sorted(ids) and not change.abandoned
+        assert _stored(pool, acked) == before  # the acknowledged groups are untouched
+        assert set(_stored(pool, ids)) == set(ids)  # the drained ones are stored
+        assert ray.get(pool.replay.in_flight.remote()) == 0
+        assert ray.get([t.version.remote() for t in pool.trainers]) == [1, 1]
+        _assert_cost_parts(change)
+
+        # the re-formed group holds the pre-move state and trains like a fresh group of its size
+        reformed = _full_state(pool)
+        for key, value in pre_move[0].items():
+            assert torch.equal(reformed[0][key], value), key
+        assert reformed[1]["step"] == pre_move[1]["step"] == 1
+        moments = pre_move[1]["optimizer"]["state"]
+        assert moments  # one Adam step was taken: its moments exist and carried over, per parameter
+        for name, param_state in moments.items():
+            for key, value in param_state.items():
+                assert torch.equal(reformed[1]["optimizer"]["state"][name][key], value), (name, key)
+        metrics = pool.train_step(acked[2:], 2)
+        weights = ray.get(pool.state_dict_ref())
+        fresh_metrics, fresh_weights = _fresh_group_step(
+            config, model_path, pool.replay, pre_move, acked[2:], 2
+        )
+        for key in ("loss", "grad_norm", "trained_tokens", "rows"):
+            assert metrics[key] == pytest.approx(fresh_metrics[key], abs=1e-6), key
+        moved = False
+        for key, value in weights.items():
+            assert torch.allclose(value, fresh_weights[key], atol=1e-6), key
+            moved |= not torch.equal(value, pre_move[0][key])
+        assert moved  # the step changed the weights (with the carried Adam moments)
+
+        # train -> rollout: the last train slot becomes a rollout worker on the current weights
+        back = pool.move("train", "rollout")
+        assert back.roles == ["rollout", "train", "rollout"] and back.version == 2
+        assert ray.get(pool.trainers[0].version.remote()) == 2
+        _assert_cost_parts(back)
+        versions = pool.weight_versions()
+        assert versions[1] == 2 and versions[0] >= engine_versions[0]
+        assert _sync(pool, 2) == [2, 2]
+        assert _stored(pool, acked) == before
+        new = _generate(pool, 1, [20])  # the new worker plays groups with v2 weights
+        assert new[0].policy_version == 2
+        metrics = pool.train_step([new[0].group_id], 3)  # the group of one rank trains
+        assert metrics["rows"] == 4 and ray.get(pool.trainers[0].version.remote()) == 3
+    finally:
+        pool.shutdown()
+
+
+@pytest.mark.slow
+def test_a_drain_past_its_timeout_returns_the_groups_it_abandons(tmp_path, ray_env):
+    import ray
+
+    from reflow.sched.pool import ResourcePool
+
+    ray.init(num_cpus=4, include_dashboard=False)
+    config = load_config(
+        None,
+        [
+            *BASE,
+            f"out_dir={tmp_path}",
+            "env.id=test/Slow-v0",
+            "env.kwargs={reset_s: 120}",  # no episode gets past its reset during the test
+            "resources.slots=[rollout, rollout, train]",
+        ],
+    )
+    pool = ResourcePool(config, _model_path(config), tmp_path)
+    try:
+        ids = [uuid.uuid4().hex for _ in range(2)]
+        for g in ids:
+            ray.get(pool.replay.begin_group.remote(g, 0))
+        in_flight = {pool.rollout[1].generate.remote([i], [g]): [g] for i, g in enumerate(ids)}
+        change = pool.move(1, "train", in_flight, drain_timeout_s=1.0)
+        assert sorted(change.abandoned) == sorted(ids) and not change.drained and not change.failed
+        assert change.drain_s >= 1.0
+        assert ray.get(pool.replay.in_flight.remote()) == 0  # their admission slots are free again
+        assert ray.get(pool.replay.count.remote()) == 0  # nothing half-stored
+        assert pool.roles() == ["rollout", "train", "train"]
+        _assert_cost_parts(change)
+    finally:
+        pool.shutdown()
+
+
+def _node_of(actor) -> str:
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
+
+
+def _engine_weights(worker) -> dict[str, torch.Tensor]:
+    import ray
+
+    return ray.get(
+        worker.__ray_call__.remote(
+            lambda self: {k: v.clone() for k, v in self.engine.model.state_dict().items()}
+        )
+    )
+
+
+@pytest.mark.slow
+def test_roles_on_different_nodes_sync_weights_and_change_roles(tmp_path, ray_env):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from reflow.sched.pool import ResourcePool
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    node_a = cluster.add_node(num_cpus=2, resources={"rollout_node": 1}, object_store_memory=150 * 2**20)
+    node_b = cluster.add_node(num_cpus=1, resources={"train_node": 1}, object_store_memory=150 * 2**20)
+    ray.init(address=cluster.address)
+    config = load_config(
+        None,
+        [
+            *BASE,
+            f"out_dir={tmp_path}",
+            "resources.slots=[rollout, rollout, train]",
+            "resources.placement={rollout: {node_resource: rollout_node, strategy: PACK}, "
+            "train: {node_resource: train_node}}",
+        ],
+    )
+    pool = ResourcePool(config, _model_path(config), tmp_path)
+    try:
+        assert [_node_of(w) for w in pool.rollout] == [node_a.node_id] * 2
+        assert _node_of(pool.trainers[0]) == node_b.node_id
+        reports = _generate(pool, 0, [0, 1])
+        pool.train_step([r.group_id for r in reports], 1)
+        # the weights travel from node B to the engines on node A through the object store
+        assert _sync(pool, 1) == [1, 1]
+        trained = ray.get(pool.state_dict_ref())
+        for worker in pool.rollout:
+            engine = _engine_weights(worker)
+            assert all(torch.equal(engine[k], v) for k, v in trained.items())
+        # a rollout slot on node A joins the trainer on node B: one FSDP2 group across the nodes
+        change = pool.move("rollout", "train")
+        assert [_node_of(t) for t in pool.trainers] == [node_a.node_id, node_b.node_id]
+        _assert_cost_parts(change)
+        pool.train_step([r.group_id for r in reports], 2)
+        assert _sync(pool, 2) == [2]
+        trained = ray.get(pool.state_dict_ref())
+        engine = _engine_weights(pool.rollout[0])
+        assert all(torch.equal(engine[k], v) for k, v in trained.items())
+    finally:
+        pool.shutdown()
+        ray.shutdown()
+        cluster.shutdown()

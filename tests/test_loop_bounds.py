@@ -1,0 +1,169 @@
+"""The loops' bounds (issue F10.7): the staleness the async/reflow admission allows, counted from the
+engines' confirmed weights and the groups actually trained; the time budget as arithmetic.
+
+The simulations drive the real policy objects (`AdmissionControl`, `plan_batch` on a real ReplayStore)
+the way `decoupled_loop` does, with made-up durations instead of models."""
+
+from __future__ import annotations
+
+import heapq
+
+import pytest
+from replay_helpers import make_group
+
+from reflow.recipes.train_parts import out_of_time
+from reflow.recipes.weight_sync import EngineVersions
+from reflow.replay import ReplayStore
+from reflow.replay.cycle import AdmissionControl, CycleConfig, consume, plan_batch
+
+# ---- the time budget
+
+
+def test_no_step_starts_that_the_budget_cannot_fit():
+    assert not out_of_time(None, 10**6, 10**6)  # no budget
+    assert out_of_time(60.0, 60.0) and out_of_time(60.0, 75.0)  # spent
+    assert not out_of_time(60.0, 59.0)  # nothing expected: work may start
+    # the reported run: train.seconds=60, steps of ~20 s then 37 s. After two steps (57 s, mean
+    # 28.5 s) a third would end at ~85 s: it does not start, and the phase ends at 57 s, not 96 s.
+    assert not out_of_time(60.0, 20.0, 20.0)  # step 2 fits (ends at ~40 s by the estimate)
+    assert out_of_time(60.0, 57.0, 57.0 / 2)
+    assert not out_of_time(60.0, 30.0, 30.0) and out_of_time(60.0, 30.0, 30.5)  # ends at the budget: fits
+
+
+def test_fresh_staleness_bound_arithmetic():
+    assert AdmissionControl(eta=1, groups_per_step=8).max_fresh_staleness() == 1  # async: eta
+    assert AdmissionControl(eta=0, groups_per_step=8).max_fresh_staleness() == 0
+    # calc-tiny's reflow settings (B 8, eta 1, share_max 0.5): a step may train only 4 fresh groups,
+    # so the (eta + 1) * B = 16 groups admitted ahead take 4 steps: staleness up to 3
+    assert AdmissionControl(eta=1, groups_per_step=8).max_fresh_staleness(0.5) == 3
+    assert AdmissionControl(eta=1, groups_per_step=8).max_fresh_staleness(0.25) == 2  # ceil(16 / 6) - 1
+    with pytest.raises(ValueError, match="no fresh group"):
+        AdmissionControl(eta=1, groups_per_step=4).max_fresh_staleness(1.0)
+
+
+def test_admission_counts_the_groups_trained_not_the_steps():
+    adm = AdmissionControl(eta=1, groups_per_step=4)
+    # version 3 in async mode: 12 trained, 8 may be ahead
+    assert adm.room(3, accepted=12, in_flight=0) == adm.room(3, accepted=12, in_flight=0, trained=12) == 8
+    # reflow: the three steps trained only 6 fresh groups (replay filled the rest); the 6 accepted
+    # groups that wait plus 2 in flight already fill the (eta + 1) * B = 8 allowed ahead
+    assert adm.room(3, accepted=12, in_flight=2, trained=6) == 0
+    with pytest.raises(ValueError, match="trained"):
+        adm.capacity(0, trained=-1)
+
+
+# ---- simulations: the driver's counting against the staleness each trained group gets
+
+
+def _run(
+    store: ReplayStore,
+    *,
+    B: int,
+    eta: int,
+    share: float,
+    steps: int,
+    gen_s,
+    train_s: float,
+    push_s: float,
+    counting: str,
+    workers: int = 10**6,
+) -> dict[str, list[int]]:
+    """A decoupled loop in simulated time. At most `workers` groups run at once; each takes
+    gen_s(start time) seconds, and they arrive in start order; a step takes train_s; its weights reach the (single) engine push_s after it ends, and a
+    group is generated with the weights the engine has when it starts. Admission counts as the loop
+    does (counting="confirmed": the engine's confirmed version and the fresh groups trained by it),
+    or as it used to ("trainer": the trainer's version, each step counted as B fresh groups).
+    Returns the staleness of every trained fresh / replayed group and how many groups were ahead."""
+    adm = AdmissionControl(eta, B)
+    cfg = CycleConfig(tau_max=2, max_reuse=2, share_init=share, share_max=share)
+    engine = EngineVersions(1, version=0)
+    events: list[tuple[float, int, str, int]] = []  # (time, seq, kind, payload)
+    trained, accepted, in_flight, version, now, n, last_arrival = {0: 0}, 0, 0, 0, 0.0, 0, 0.0
+    step_fresh: int | None = None
+    out: dict[str, list[int]] = {"fresh": [], "replay": [], "ahead": []}
+    while version < steps:
+        confirmed = engine.min_confirmed
+        args = (trained[confirmed],) if counting == "confirmed" else ()
+        start_version = confirmed if counting == "confirmed" else version
+        while in_flight < workers and adm.may_start(start_version, accepted, in_flight, *args):
+            gid = f"g{n}"
+            store.begin_group(gid, confirmed)
+            last_arrival = max(now + gen_s(now), last_arrival + 1e-6)  # in start order
+            heapq.heappush(events, (last_arrival, n, "group", confirmed))
+            n, in_flight = n + 1, in_flight + 1
+        out["ahead"].append(accepted - trained[confirmed] + in_flight)
+        if step_fresh is None:
+            plan = plan_batch(store, want=B, current_version=version, share=share, cfg=cfg)
+            if plan.size == B:
+                consume(store, plan, step=version + 1)
+                out["fresh"] += [version - g.policy_version for g in plan.fresh]
+                out["replay"] += [version - g.policy_version for g in plan.replay]
+                step_fresh = len(plan.fresh)
+                heapq.heappush(events, (now + train_s, -1, "step", 0))
+        now, seq, kind, payload = heapq.heappop(events)
+        if kind == "group":
+            store.add_group(*make_group(f"g{seq}", [0.0, 1.0], version=payload, n_turns=1, tokens=2))
+            accepted, in_flight = accepted + 1, in_flight - 1
+        elif kind == "step":
+            version += 1
+            trained[version] = trained[version - 1] + step_fresh
+            step_fresh = None
+            for _ in engine.publish(version):
+                heapq.heappush(events, (now + push_s, -2, "push", version))
+        else:
+            following = engine.confirm(0, payload)
+            if following is not None:
+                heapq.heappush(events, (now + push_s, -2, "push", following))
+    return out
+
+
+@pytest.mark.parametrize("counting", ["confirmed", "trainer"])
+def test_async_staleness_counts_from_the_weights_the_engines_confirmed(tmp_path, counting):
+    """Async mode, groups arriving in start order, weights that take a while to reach the engine:
+    counted from the trainer's version, a group started right after a step is generated with the
+    previous weights and trained eta + 1 versions later; counted from the confirmed version, never."""
+    with ReplayStore(tmp_path / "r.sqlite", "r") as store:
+        out = _run(
+            store,
+            B=2,
+            eta=1,
+            share=0.0,
+            steps=8,
+            gen_s=lambda t: 0.5,
+            train_s=1.0,
+            push_s=0.6,
+            counting=counting,
+        )
+    if counting == "confirmed":
+        assert max(out["fresh"]) <= 1
+    else:
+        assert max(out["fresh"]) == 2  # what the old count allowed
+
+
+@pytest.mark.parametrize("counting", ["confirmed", "trainer"])
+def test_reflow_keeps_fresh_groups_within_the_documented_bound(tmp_path, counting):
+    """Reflow mode: slow rollouts first (steps go ahead on half replay), then fast ones. Counting each
+    step as B fresh groups let generation run further ahead with every step that replay filled, and
+    fresh groups were trained staler than the bound (6 versions here); counting the groups trained
+    keeps them within it, keeps at most (eta + 1) * B groups ahead, and replayed groups stay within
+    tau_max."""
+    B, eta, share = 4, 1, 0.5
+    bound = AdmissionControl(eta, B).max_fresh_staleness(share)
+    with ReplayStore(tmp_path / "r.sqlite", "r") as store:
+        out = _run(
+            store,
+            B=B,
+            eta=eta,
+            share=share,
+            steps=36,
+            gen_s=lambda t: 2.0 if t < 20 else 0.1,
+            train_s=1.0,
+            push_s=0.0,
+            counting=counting,
+            workers=3,
+        )
+    assert max(out["replay"]) <= 2  # tau_max
+    if counting == "confirmed":
+        assert max(out["fresh"]) <= bound and max(out["ahead"]) <= (eta + 1) * B
+    else:
+        assert max(out["fresh"]) > bound + 1  # the old count: the bound did not hold
