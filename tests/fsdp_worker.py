@@ -5,7 +5,7 @@ import sys
 import torch
 from test_trainer import _model, _rows
 
-from reflow.train.batch import shard_rows
+from reflow.train.batch import shard_groups
 from reflow.train.trainer import PolicyTrainer, TrainerConfig, init_distributed
 
 
@@ -16,7 +16,8 @@ def main(
     init_distributed(rank, world, "127.0.0.1", port, "gloo")
     config = TrainerConfig(lr=1e-2, bf16=False, micro_batch_tokens=micro_batch_tokens)
     trainer = PolicyTrainer(_model(), 0, config)
-    rows = shard_rows(_rows(n_rows + n_rows % 2)[:n_rows], world)[rank]
+    rows = _rows(n_rows + n_rows % 2)[:n_rows]
+    rows = [rows[i] for i in shard_groups([len(r.segment.token_ids) for r in rows], world)[rank]]
     grads = {}
     step = trainer.optimizer.step
 

@@ -84,3 +84,20 @@ async def test_agent_errors_become_failed_results():
 async def test_env_bugs_propagate():
     with pytest.raises(RuntimeError, match="bug in the env"):
         await Tool.from_function(buggy)(ToolCall("buggy", {"x": 1}, ""))
+
+
+def test_a_schema_tool_checks_required_keys_and_extras_as_its_schema_or_caller_says():
+    from reflow.env import SchemaTool, ToolError
+
+    params = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    open_tool = SchemaTool("f", "d", params)  # no additionalProperties: extras are allowed
+    assert open_tool.validate({"x": 1, "y": 2}) == {"x": 1, "y": 2}
+    with pytest.raises(ToolError, match="x: Field required"):
+        open_tool.validate({})
+    strict = SchemaTool("f", "d", {**params, "additionalProperties": False})
+    with pytest.raises(ToolError, match="y: Extra inputs are not permitted"):
+        strict.validate({"x": 1, "y": 2})
+    served = SchemaTool.from_openai(open_tool.schema, forbid_extra=True)  # our server's tools forbid extras
+    assert served.schema == open_tool.schema
+    with pytest.raises(ToolError, match="y: Extra inputs"):
+        served.validate({"x": 1, "y": 2})

@@ -8,7 +8,7 @@ from engine_helpers import small_qwen3
 
 from reflow.records import EpisodeRecord, Segment
 from reflow.replay import StoredGroup
-from reflow.train.batch import rows_from_groups, shard_groups, shard_rows
+from reflow.train.batch import rows_from_groups, shard_groups
 from reflow.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from reflow.train.trainer import PolicyTrainer, TrainerConfig, TrainRow
 
@@ -283,9 +283,9 @@ def test_infra_error_episodes_are_masked_out_of_training():
     assert all(r.segment is not episodes[1].segments[0] for r in rows)
 
 
-def test_shard_rows_balances_tokens_and_keeps_every_row():
+def test_sharding_rows_by_tokens_balances_them_and_keeps_every_row():
     rows = _rows(10)
-    shards = shard_rows(rows, 3)
+    shards = [[rows[i] for i in s] for s in shard_groups([len(r.segment.token_ids) for r in rows], 3)]
     assert sorted(id(r) for s in shards for r in s) == sorted(id(r) for r in rows)
     loads = [sum(len(r.segment.token_ids) for r in s) for s in shards]
     assert max(loads) - min(loads) <= max(len(r.segment.token_ids) for r in rows)

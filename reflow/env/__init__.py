@@ -25,7 +25,7 @@ from reflow.env.play import EpisodeResult, play_episode, scripted_policy
 from reflow.env.registration import discover, env_ids, make, register
 from reflow.env.tasks import load_tasks, write_tasks
 from reflow.env.tool_env import ToolEnv
-from reflow.env.tools import Tool, ToolError
+from reflow.env.tools import SchemaTool, Tool, ToolError
 
 __all__ = [
     "EPISODE_STATUSES",
@@ -38,6 +38,7 @@ __all__ = [
     "Message",
     "Observation",
     "ResetNeeded",
+    "SchemaTool",
     "StepResult",
     "Task",
     "Tool",

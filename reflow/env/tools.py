@@ -127,6 +127,52 @@ class Tool:
         return ToolResult(call.id, call.name, str(out), latency_s=time.perf_counter() - start)
 
 
+class SchemaTool(Tool):
+    """A tool known here only by its JSON Schema, that runs where its env does (a hosted env server, an
+    OpenEnv server, a verifiers env): names and required or extra argument keys are checked here, and
+    calling it here is a bug. `forbid_extra`: None follows the schema (`additionalProperties: false`);
+    True refuses extra keys whatever it says (our own server's schemas leave that key out, see
+    `Tool.schema`, although their tools forbid extras)."""
+
+    def __init__(
+        self, name: str, description: str, parameters: dict[str, Any], *, forbid_extra: bool | None = None
+    ) -> None:
+        super().__init__(name, description, _runs_remotely, None)  # type: ignore[arg-type]
+        self.parameters = parameters
+        self.forbid_extra = (
+            parameters.get("additionalProperties") is False if forbid_extra is None else forbid_extra
+        )
+
+    @classmethod
+    def from_openai(cls, schema: dict[str, Any], *, forbid_extra: bool | None = None) -> SchemaTool:
+        """From an OpenAI function-tool schema (`{"type": "function", "function": {...}}`)."""
+        fn = schema.get("function", {})
+        return cls(
+            fn.get("name", ""),
+            fn.get("description", ""),
+            fn.get("parameters") or {},
+            forbid_extra=forbid_extra,
+        )
+
+    @property
+    def schema(self) -> dict[str, Any]:  # type: ignore[override]
+        fn = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        return {"type": "function", "function": fn}
+
+    def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        props = self.parameters.get("properties")
+        problems = [f"{k}: Field required" for k in self.parameters.get("required", []) if k not in arguments]
+        if isinstance(props, dict) and self.forbid_extra:
+            problems += [f"{k}: Extra inputs are not permitted" for k in arguments if k not in props]
+        if problems:
+            raise ToolError(f"bad arguments for {self.name}: {'; '.join(problems)}")
+        return dict(arguments)
+
+
+def _runs_remotely(**kwargs: Any) -> Any:
+    raise RuntimeError("a remote tool runs where its env does, through that env's step")
+
+
 def validate_calls(calls: list[ToolCall], tools: list[Tool]) -> None:
     """Mark unknown tools and bad arguments on the calls (sets `parse_error`, never raises)."""
     by_name = {t.name: t for t in tools}

@@ -58,12 +58,12 @@ from reflow.env import (
     Message,
     Observation,
     ResetNeeded,
+    SchemaTool,
     StepResult,
     Task,
     ToolCall,
     ToolResult,
 )
-from reflow.interop.tools import SchemaTool
 
 ACT_TOOL = "act"
 MCP_ACTION_TITLES = frozenset({"Action", "CallToolAction", "ListToolsAction"})

@@ -47,10 +47,10 @@ from reflow.env import (
     Message,
     Observation,
     ResetNeeded,
+    SchemaTool,
     StepResult,
     Task,
 )
-from reflow.interop.tools import SchemaTool
 
 PYTHON_ENV_VAR = "REFLOW_VERIFIERS_PYTHON"
 WORKER = Path(__file__).with_name("verifiers_worker.py")

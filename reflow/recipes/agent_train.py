@@ -54,7 +54,7 @@ def train(config: RunConfig, *, resume: bool = False, console: Console | None = 
     pool = ResourcePool(config, model_path, run_dir)
     try:
         if ckpt is not None:
-            extra = ray.get([t.load_checkpoint.remote(str(ckpt)) for t in pool.trainers])[0]
+            extra = pool.load_checkpoint(str(ckpt))
             state = RunState(**extra["run_state"])
             console.print(f"resumed from {ckpt} at step {state.step} (weights v{state.version})")
         if resume:  # also with no checkpoint yet: the run starts over, and so does consumption

@@ -26,7 +26,6 @@ import contextlib
 import time
 import uuid
 from dataclasses import dataclass, field
-from statistics import fmean
 from typing import Any
 
 import ray
@@ -98,7 +97,17 @@ class Arrivals:
         self.reports += new
         self.accepted += sum(r.has_spread for r in new)
         self.seconds += [r.seconds for r in new]
+        self._seconds_sum += sum(r.seconds for r in new)
         self.episodes += sum(len(r.rewards) for r in new)
+
+    @property
+    def mean_seconds(self) -> float:
+        """Mean group duration so far (0 before the first), kept as a running sum: the loop asks
+        for it before every launch."""
+        return self._seconds_sum / len(self.seconds) if self.seconds else 0.0
+
+    def __post_init__(self) -> None:
+        self._seconds_sum = sum(self.seconds)
 
 
 @dataclass
@@ -150,7 +159,7 @@ def decoupled_loop(pool: ResourcePool, config: RunConfig, log: RunLog, state: Ru
             and gate.allows()
             and (w := _free_worker(workers, per_worker)) is not None
             and admission.may_start(confirmed, got.accepted, len(rollouts), trained[confirmed])
-            and not out_of_time(budget, now, (fmean(got.seconds) if got.seconds else 0.0) + step_s)
+            and not out_of_time(budget, now, got.mean_seconds + step_s)
         ):
             state.tail_over_provisioned += gate.take()
             ref, group = _launch(pool, w, weights.versions.confirmed[w], state)
@@ -179,7 +188,8 @@ def decoupled_loop(pool: ResourcePool, config: RunConfig, log: RunLog, state: Ru
             elif ref in rollouts:
                 workers.done(rollouts.pop(ref).worker)
                 got.add(ray.get(ref))
-        tail.observe(got.seconds)
+        if len(got.seconds) != tail.observed:  # groups arrived: the tail's quantiles move
+            tail.observe(got.seconds)
         state.rollout_busy_s = busy_before + workers.total()
     for ref in rollouts:  # the run is over: groups still in flight are not waited for
         with contextlib.suppress(Exception):

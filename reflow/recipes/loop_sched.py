@@ -139,6 +139,8 @@ class TailGate:
         self.policy, self.batch, self.per_worker = policy, batch, per_worker
         self._last: dict[str, Any] = {}  # decision kind -> what it said last (events only on change)
         self._quantiles: Quantiles | None = None
+        self.observed = 0
+        """How many durations the quantiles were computed from."""
 
     def look(
         self, fresh_waiting: int, in_flight: Sequence[GroupInFlight], loads: Sequence[int], now: float
@@ -165,6 +167,7 @@ class TailGate:
     def observe(self, group_seconds: Sequence[float]) -> None:
         """Durations of the groups done so far (over-provisioning's tail heaviness)."""
         self._quantiles = observed_quantiles(group_seconds)
+        self.observed = len(group_seconds)
 
     def apply(self, actions: Sequence[Any], started: int) -> TailLook:
         """The limit the actions set (`started`: groups of this batch done or in flight) and the

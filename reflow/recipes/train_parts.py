@@ -145,14 +145,9 @@ def leftover_groups(pool: ResourcePool, state: RunState) -> list[GroupReport]:
     return [report_group(g.episodes, 0.0) for g in stored]
 
 
-def weights_ref(pool: ResourcePool) -> Any:
-    """An object ref to trainer rank 0's full weights (every rank takes part under FSDP)."""
-    return pool.state_dict_ref()
-
-
 def sync_weights(pool: ResourcePool, version: int) -> None:
     """Trainer weights to every engine, tagged `version`; returns once every engine has them."""
-    ref = weights_ref(pool)
+    ref = pool.state_dict_ref()
     versions = ray.get([w.update_weights.remote(ref, version) for w in pool.rollout])
     if any(v != version for v in versions):
         raise RuntimeError(f"engines report weight versions {versions}, expected {version}")
@@ -167,7 +162,7 @@ def checkpoint(pool: ResourcePool, config: RunConfig, state: RunState) -> None:
     run_state["snapshots"] = [{k: v for k, v in p.items() if k != "weights"} for p in state.snapshots]
     extra = {"run_state": run_state}
     root = str(config.run_dir / "checkpoints")
-    ray.get([t.save_checkpoint.remote(root, extra, config.train.keep_checkpoints) for t in pool.trainers])
+    pool.save_checkpoint(root, extra, config.train.keep_checkpoints)
     ray.get(pool.replay.set_cursor.remote("run_state", {"step": state.step, "next_seed": state.next_seed}))
 
 
@@ -184,7 +179,7 @@ def evaluate(pool: ResourcePool, config: RunConfig, log: RunLog, state: RunState
     }
     start = time.monotonic()
     if config.eval.deferred:
-        point["weights"] = weights_ref(pool)
+        point["weights"] = pool.state_dict_ref()
         ray.wait([point["weights"]])
         state.snapshots.append(point)
     else:

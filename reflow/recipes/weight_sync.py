@@ -20,7 +20,6 @@ from typing import Any
 
 import ray
 
-from reflow.recipes.train_parts import weights_ref
 from reflow.sched.pool import ResourcePool
 
 
@@ -102,7 +101,7 @@ class WeightPusher:
 
     def publish(self, version: int) -> None:
         """Trainer weights `version` to every worker: now where no push is in flight, else next."""
-        self._weights = weights_ref(self.pool)  # a collective over the trainer ranks
+        self._weights = self.pool.state_dict_ref()  # a collective over the trainer ranks
         for worker in self.versions.publish(version):
             self._push(worker, version)
 

@@ -24,7 +24,7 @@ import contextlib
 import os
 import random
 import ssl
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -39,10 +39,9 @@ from reflow.env import (
     Message,
     Observation,
     ResetNeeded,
+    SchemaTool,
     StepResult,
     Task,
-    Tool,
-    ToolError,
     task_hash,
 )
 
@@ -63,40 +62,6 @@ class ServerError(RuntimeError):
 @cache
 def _ssl_context() -> ssl.SSLContext:
     return ssl.create_default_context()  # ~40 ms: made once, not once per env
-
-
-def _missing(arguments: dict[str, Any], params: dict[str, Any]) -> list[str]:
-    return [k for k in params.get("required", []) if k not in arguments]
-
-
-@dataclass
-class RemoteTool(Tool):
-    """A served tool: its schema as the server gave it; names and argument keys are checked here."""
-
-    remote_schema: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def schema(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.remote_schema
-
-    def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
-        params = self.remote_schema.get("function", {}).get("parameters") or {}
-        props = params.get("properties")
-        problems = [f"{k}: Field required" for k in _missing(arguments, params)]
-        if isinstance(props, dict):
-            problems += [f"{k}: Extra inputs are not permitted" for k in arguments if k not in props]
-        if problems:
-            raise ToolError(f"bad arguments for {self.name}: {'; '.join(problems)}")
-        return dict(arguments)
-
-    @classmethod
-    def from_schema(cls, schema: dict[str, Any]) -> RemoteTool:
-        fn = schema.get("function", {})
-
-        def runs_on_the_server(**kwargs: Any) -> Any:
-            raise RuntimeError("a remote tool runs on the env server, through RemoteEnv.step")
-
-        return cls(fn.get("name", ""), fn.get("description", ""), runs_on_the_server, None, schema)  # type: ignore[arg-type]
 
 
 class RemoteEnv(Env):
@@ -161,7 +126,7 @@ class RemoteEnv(Env):
         data = await self._request("POST", "/v1/sessions", body, retry_transport=False)
         self.session_id, self.turn_index, self.done = data["session_id"], 0, False
         obs = data["observation"]
-        self.tools = [RemoteTool.from_schema(s) for s in obs["tools"]]
+        self.tools = [SchemaTool.from_openai(s, forbid_extra=True) for s in obs["tools"]]
         self.task = task if task is not None else self._local_task(seed, obs["info"].get("task_hash"))
         return Observation(obs["messages"], obs["tools"], obs["info"])
 

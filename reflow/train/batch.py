@@ -28,21 +28,10 @@ def rows_from_groups(groups: Iterable[StoredGroup]) -> list[TrainRow]:
     return rows
 
 
-def shard_rows(rows: list[TrainRow], world_size: int) -> list[list[TrainRow]]:
-    """Split rows across ranks with balanced token counts (longest first, to the lightest rank)."""
-    shards: list[list[TrainRow]] = [[] for _ in range(world_size)]
-    load = [0] * world_size
-    for row in sorted(rows, key=lambda r: -len(r.segment.token_ids)):
-        i = load.index(min(load))
-        shards[i].append(row)
-        load[i] += len(row.segment.token_ids)
-    return shards
-
-
 def shard_groups(sizes: Sequence[int], world_size: int) -> list[list[int]]:
-    """Indexes of the groups each rank trains on, balanced by size (largest first, to the lightest
-    rank; ties by position), so that each rank fetches only its own groups from the replay store.
-    Deterministic: every rank computes the same split from the same sizes."""
+    """Indexes of the items (groups of a batch, or rows) each rank trains on, balanced by size (largest
+    first, to the lightest rank; ties by position), so that each rank fetches only its own groups from
+    the replay store. Deterministic: every rank computes the same split from the same sizes."""
     shards: list[list[int]] = [[] for _ in range(world_size)]
     load = [0] * world_size
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
