@@ -2,26 +2,29 @@
 
 The server (`reflow serve-envs`, token auth) runs in its own process on loopback. N concurrent
 sessions each play whole episodes (create, scripted steps) in a loop, spread over `--clients` load
-processes. Two clients: `remote` is the real one (`RemoteEnv`, httpx), the end-to-end figure; `raw`
-sends the same requests over plain keep-alive HTTP/1.1, so that the load generator costs little and
-the figure is the server's (on a 2-core machine the httpx client needs about twice the server's CPU).
+processes. Clients: `remote` is the real one (`RemoteEnv`, over its `/v1/ws` WebSocket, one socket a
+session), the end-to-end figure; `remote-http` is `RemoteEnv(transport="http")` (httpx); `raw` sends
+the same requests over plain keep-alive HTTP/1.1, so that the load generator costs little and the
+figure is the HTTP server's.
 Two runs per N: closed loop (every session steps again as soon as it has its answer: the throughput
 ceiling, where latency is mostly queueing, N / throughput) and paced (each session sends its steps on
 a jittered schedule, as a policy generating its turns would, so that all N together offer `--rate`
 steps/s: the step latency at that load). It checks that no session is lost (every episode ends "ok",
-none is left live on the server) and prints the server's RSS at start, after each run, and after the
-first load is played again.
+no worker fails, none is left live on the server), samples the server's live sessions (the peak it
+held) and prints the server's RSS at start, after each run, and after the first load is played again.
 
 A third client, `ws`, plays the same episodes over OpenEnv's `/ws` protocol (one WebSocket per session).
 
-Usage: python benchmarks/bench_env_server.py [--sessions 64,256] [--seconds 8] [--rate 500]
-       [--clients 2] [--client remote,raw,ws] [--json]
+Usage: python benchmarks/bench_env_server.py [--sessions 64,1024] [--seconds 8] [--rate 500]
+       [--clients 2] [--client remote,remote-http,raw,ws] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import json
 import multiprocessing
 import os
@@ -29,6 +32,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
@@ -43,6 +47,12 @@ from reflow.env import parse_assistant, scripted_policy
 
 ENV_ID = "reflow/Calc-v0"
 WARMUP_S = 1.0
+
+
+def warmup_s(sessions: int, interval_s: float) -> float:
+    """What each run leaves out at its start: at least a second, the pacing interval (paced sessions
+    start spread over one), and the time to open many sessions (about 500 a second here)."""
+    return max(WARMUP_S, interval_s, sessions / 500)
 
 
 def rss_mb(pid: int) -> float:
@@ -96,9 +106,11 @@ def record_end(out: dict, status: str) -> None:
     out["statuses"][status] = out["statuses"].get(status, 0) + 1
 
 
-async def remote_worker(url: str, token: str, stop_at: float, pacer: Pacer, seed: int, out: dict) -> None:
+async def remote_worker(
+    url: str, token: str, stop_at: float, pacer: Pacer, seed: int, out: dict, transport: str = "auto"
+) -> None:
     """Whole episodes through `reflow.make("reflow/Remote-v0")`, as a rollout worker plays them."""
-    env = reflow.make("reflow/Remote-v0", url=url, env_id=ENV_ID, token=token)
+    env = reflow.make("reflow/Remote-v0", url=url, env_id=ENV_ID, token=token, transport=transport)
     await pacer.start()
     try:
         while time.perf_counter() < stop_at:
@@ -214,22 +226,39 @@ async def ws_worker(url: str, token: str, stop_at: float, pacer: Pacer, seed: in
                     break
 
 
-WORKERS = {"remote": remote_worker, "raw": raw_worker, "ws": ws_worker}
+WORKERS = {
+    "remote": remote_worker,
+    "remote-http": functools.partial(remote_worker, transport="http"),
+    "raw": raw_worker,
+    "ws": ws_worker,
+}
 
 
 async def play(
-    kind: str, url: str, token: str, sessions: int, seed0: int, seconds: float, interval_s: float
+    kind: str,
+    url: str,
+    token: str,
+    sessions: int,
+    seed0: int,
+    seconds: float,
+    interval_s: float,
+    warmup: float,
 ) -> dict:
     out: dict = {"latency": [], "statuses": {}, "sessions": 0}
     worker = WORKERS[kind]
     start = time.perf_counter()
     stop_at = start + seconds
-    await asyncio.gather(
-        *(worker(url, token, stop_at, Pacer(interval_s), seed0 + i, out) for i in range(sessions))
+    ended = await asyncio.gather(
+        *(worker(url, token, stop_at, Pacer(interval_s), seed0 + i, out) for i in range(sessions)),
+        return_exceptions=True,
     )
-    # Steady state only: the first second (sessions starting) and the tail after the stop (sessions
+    # A worker that raised lost its episode in flight (and no more were played by it).
+    failures = [e for e in ended if isinstance(e, BaseException)]
+    out["failed_workers"] = len(failures)
+    out["first_failure"] = f"{type(failures[0]).__name__}: {failures[0]}"[:300] if failures else None
+    # Steady state only: the warm-up (sessions starting) and the tail after the stop (sessions
     # finishing their last episode) are left out.
-    out["latency"] = [lat for t0, lat in out["latency"] if start + WARMUP_S <= t0 < stop_at]
+    out["latency"] = [lat for t0, lat in out["latency"] if start + warmup <= t0 < stop_at]
     return out
 
 
@@ -242,10 +271,11 @@ def client_process(
     seconds: float,
     interval_s: float,
     start_at: float,
+    warmup: float,
 ) -> dict:
     """One load-generating process: waits for the common start, then plays its share of the sessions."""
     time.sleep(max(0.0, start_at - time.time()))
-    coro = play(kind, url, token, sessions, seed0, seconds, interval_s)
+    coro = play(kind, url, token, sessions, seed0, seconds, interval_s, warmup)
     try:
         import uvloop  # the load generator's own loop: uvloop when installed (the server extra has it)
     except ImportError:
@@ -262,14 +292,24 @@ def measure(
     sessions: int,
     interval_s: float,
 ) -> dict:
-    """`sessions` spread over the client processes, started together; their figures merged."""
+    """`sessions` spread over the client processes, started together; their figures merged, with the
+    peak of live sessions the server reported while they ran."""
     start_at = time.time() + 1.0
+    warmup = warmup_s(sessions, interval_s)
     shares = [sessions // args.clients + (i < sessions % args.clients) for i in range(args.clients)]
     futures = [
-        pool.submit(client_process, kind, url, token, n, 10_000 * i, args.seconds, interval_s, start_at)
+        pool.submit(
+            client_process, kind, url, token, n, 10_000 * i, args.seconds, interval_s, start_at, warmup
+        )
         for i, n in enumerate(shares)
     ]
+    peak = [0, 0]
+    sampler = threading.Thread(
+        target=sample_live, args=(url, token, args.server_pid, futures, peak), daemon=True
+    )
+    sampler.start()
     outs = [f.result() for f in futures]
+    sampler.join()
     lat = np.array([x for o in outs for x in o["latency"]]) * 1000
     statuses: dict[str, int] = {}
     for o in outs:
@@ -280,30 +320,55 @@ def measure(
         "sessions": sessions,
         "offered_steps_per_s": sessions / interval_s if interval_s else None,
         "steps": len(lat),
-        "steps_per_s": len(lat) / args.seconds_measured,
-        "p50_ms": float(np.percentile(lat, 50)),
-        "p99_ms": float(np.percentile(lat, 99)),
+        "steps_per_s": len(lat) / (args.seconds - warmup),
+        "p50_ms": float(np.percentile(lat, 50)) if len(lat) else float("nan"),
+        "p99_ms": float(np.percentile(lat, 99)) if len(lat) else float("nan"),
         "episodes": sum(o["sessions"] for o in outs),
         "statuses": statuses,
+        "peak_live": peak[0],
+        "peak_sockets": peak[1],
+        "failed_workers": sum(o["failed_workers"] for o in outs),
+        "first_failure": next((o["first_failure"] for o in outs if o["first_failure"]), None),
     }
+
+
+def open_sockets(pid: int) -> int:
+    """How many sockets process `pid` holds (its listening socket included)."""
+    count = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed while we looked
+            count += os.readlink(fd).startswith("socket:")
+    return count
+
+
+def sample_live(url: str, token: str, server_pid: int, futures: list, peak: list[int]) -> None:
+    """The most live sessions /v1/capacity reports and the most sockets the server holds (every 0.2 s)
+    until the load processes are done."""
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=10) as http:
+        while not all(f.done() for f in futures):
+            with contextlib.suppress(httpx.HTTPError):
+                peak[0] = max(peak[0], http.get("/v1/capacity").json()["live_sessions"])
+            peak[1] = max(peak[1], open_sockets(server_pid))
+            time.sleep(0.2)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sessions", default="64,256", help="comma-separated concurrent session counts")
+    parser.add_argument("--sessions", default="64,1024", help="comma-separated concurrent session counts")
     parser.add_argument("--seconds", type=float, default=8.0, help="length of each run")
     parser.add_argument("--rate", type=float, default=500.0, help="steps/s all sessions offer in paced runs")
     parser.add_argument("--clients", type=int, default=2, help="load-generating processes")
     parser.add_argument(
         "--client",
         default="remote,raw",
-        help="comma-separated: remote (RemoteEnv), raw (plain HTTP), ws (OpenEnv's /ws, one socket a session)",
+        help="comma-separated: remote (RemoteEnv, WebSocket), remote-http (RemoteEnv over HTTP), "
+        "raw (plain HTTP), ws (OpenEnv's /ws, one socket a session)",
     )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    args.seconds_measured = args.seconds - WARMUP_S
     counts = [int(n) for n in args.sessions.split(",")]
     proc, url, token = start_server(max(counts) + 16)
+    args.server_pid = proc.pid
     results, rss = [], {"start": rss_mb(proc.pid)}
     pool = ProcessPoolExecutor(args.clients, mp_context=multiprocessing.get_context("spawn"))
     try:
@@ -316,11 +381,13 @@ def main() -> int:
                     r["rss_after_mb"] = rss_mb(proc.pid)
                     results.append(r)
                     load = f"paced at {args.rate:g}/s" if interval_s else "closed loop"
+                    failed = f", {r['failed_workers']} workers failed ({r['first_failure']})"
                     print(
-                        f"{kind:>6} client, {n:4d} sessions, {load:>16}: {r['steps_per_s']:5.0f} steps/s, "
+                        f"{kind:>11} client, {n:4d} sessions, {load:>16}: {r['steps_per_s']:5.0f} steps/s, "
                         f"p50 {r['p50_ms']:6.1f} ms, p99 {r['p99_ms']:6.1f} ms, {r['episodes']} episodes "
-                        f"{r['statuses']}, left on server {r['left_on_server']}, "
-                        f"server RSS {r['rss_after_mb']:.0f} MB",
+                        f"{r['statuses']}, peak live {r['peak_live']} (sockets {r['peak_sockets']}), "
+                        f"left on server {r['left_on_server']}, "
+                        f"server RSS {r['rss_after_mb']:.0f} MB{failed if r['failed_workers'] else ''}",
                         flush=True,
                     )
         rss["after_runs"] = rss_mb(proc.pid)
@@ -334,13 +401,15 @@ def main() -> int:
         proc.wait(30)
     lost = sum(r["episodes"] - sum(r["statuses"].values()) for r in results)
     not_ok = sum(v for r in results for k, v in r["statuses"].items() if k != "ok")
+    failed = sum(r["failed_workers"] for r in results)
     print(
         f"server RSS: start {rss['start']:.0f} MB, after the runs {rss['after_runs']:.0f} MB, "
-        f"after repeating the first load {rss['after_repeat']:.0f} MB; episodes lost {lost}, not ok {not_ok}"
+        f"after repeating the first load {rss['after_repeat']:.0f} MB; episodes lost {lost}, not ok {not_ok}, "
+        f"workers failed {failed}"
     )
     if args.json:
         print(json.dumps({"runs": results, "rss_mb": rss}))
-    return 1 if lost or not_ok or any(r.get("left_on_server") for r in results) else 0
+    return 1 if lost or not_ok or failed or any(r.get("left_on_server") for r in results) else 0
 
 
 if __name__ == "__main__":

@@ -46,21 +46,24 @@ class EnvSection(_Section):
         default_factory=list,
         description="modules (or module:function) that register envs, loaded in every worker first",
     )
-    id: str = Field(description="a registered env id, e.g. reflow/Calc-v0")
+    id: str = Field(
+        description="a registered env id, e.g. reflow/Calc-v0, or openenv/<name> (an OpenEnv server's env)"
+    )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="constructor kwargs for the env")
 
     @model_validator(mode="after")
     def _registered(self) -> EnvSection:
         from reflow.env import env_ids
-        from reflow.env.registration import load_env_plugin
+        from reflow.env.registration import load_env_plugin, namespaces
 
         for spec in self.plugins:
             try:
                 load_env_plugin(spec)
             except Exception as e:
                 raise ValueError(f"env plugin {spec!r} failed to load: {type(e).__name__}: {e}") from None
-        if self.id not in env_ids():
-            known = ", ".join(env_ids())
+        namespace, _, name = self.id.partition("/")
+        if self.id not in env_ids() and not (name and namespace in namespaces()):  # openenv/<name>
+            known = ", ".join(env_ids() + [f"{ns}/<name>" for ns in sorted(namespaces())])
             raise ValueError(f"env {self.id!r} is not registered (registered: {known})")
         return self
 
@@ -379,6 +382,10 @@ class RunConfig(_Section):
         if self.tasks.learnability and self.mode != "sync":
             # the decoupled loops draw one task seed per group: a share of one seed is no revisit
             raise ValueError("tasks.learnability applies to mode sync only (rounds of several task seeds)")
+        for key in ("elastic", "tail"):
+            if self.mode == "sync" and getattr(self, key).enabled:
+                # sync generates and trains in turn on every slot: no role to move, no tail to cut
+                raise ValueError(f"{key}.enabled applies to the decoupled modes (async, reflow), not sync")
         return self
 
     @property

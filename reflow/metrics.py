@@ -1,4 +1,4 @@
-"""Run metrics defined once, for the real runs (reflow/recipes/train_parts.py) and the cluster simulator
+"""Run metrics defined once, for the real runs (reflow/recipes/run_log.py) and the cluster simulator
 (reflow/sim/metrics.py): the idle ratio and the order-statistic quantile their summaries report.
 
 Pure arithmetic, no Ray and no torch, so the simulator and the CLI can import it without a device.

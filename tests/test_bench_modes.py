@@ -71,6 +71,17 @@ def test_default_target_is_above_the_start_and_its_noise_or_not_measured(tmp_pat
     assert default_target(small) == 0.218
 
 
+def test_sync_and_async_rows_run_their_mode_plain_even_where_the_config_switches_reflows_parts_on():
+    from reflow.config import load_config
+
+    on = ["env.id=reflow/Calc-v0", "elastic.enabled=true", "tail.enabled=true"]
+    for name, mode, extra in variants(True):
+        config = load_config(None, [*on, f"mode={mode}", *extra])  # sync refuses elastic.enabled=true
+        parts = (config.elastic.active(mode), config.tail.active(mode))
+        expected = {"reflow": (True, True), "reflow-static": (False, False), "reflow-no-tail": (True, False)}
+        assert parts == expected.get(name, (False, False)), name
+
+
 def test_ablation_rows_run_reflow_with_parts_off_and_show_role_changes_and_tail_actions(tmp_path):
     assert [name for name, _, _ in variants(False)] == ["sync", "async", "reflow"]
     rows = variants(True)

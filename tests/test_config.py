@@ -38,6 +38,13 @@ def test_round_trip_through_yaml(tmp_path):
     assert load_config(path) == config
 
 
+def test_an_env_id_of_a_namespace_is_accepted():
+    config = load_config(None, ["env.id=openenv/echo", "env.kwargs={url: http://127.0.0.1:1}"])
+    assert config.env.id == "openenv/echo"
+    with pytest.raises(ConfigError, match="openenv/<name>"):
+        load_config(None, ["env.id=nowhere/echo"])
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -73,6 +80,8 @@ def test_round_trip_through_yaml(tmp_path):
             "train.loss.nope: unknown key",
         ),
         (["env.id=reflow/Calc-v0", "train.loss.clip_eps=1.5"], "clip_eps"),
+        (["env.id=reflow/Calc-v0", "mode=sync", "elastic.enabled=true"], "elastic.enabled applies to the"),
+        (["env.id=reflow/Calc-v0", "mode=sync", "tail.enabled=true"], "tail.enabled applies to the"),
     ],
 )
 def test_bad_configs_name_the_key(overrides, message):

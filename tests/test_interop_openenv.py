@@ -1,5 +1,6 @@
 """An unmodified OpenEnv server (openenv 0.10.0, in its own venv, an env written with its API) played as
-`reflow/OpenEnv-v0` by our episode runner and `agent-train`; its failures are infra_error, never 0."""
+`reflow/OpenEnv-v0` (and as `openenv/<name>`) by our episode runner and `agent-train`; its failures are
+infra_error, never 0."""
 
 import asyncio
 import json
@@ -91,6 +92,21 @@ async def test_episode_runner_plays_an_openenv_server_with_tools_rewards_and_met
     (tool,) = env.unwrapped.tools
     assert tool.schema["function"]["parameters"]["properties"]["guess"]["type"] == "integer"
     assert "metadata" not in tool.schema["function"]["parameters"]["properties"]
+
+
+async def test_an_openenv_namespace_id_plays_the_named_env_of_the_server(guess_server, tiny_tokenizer):
+    """`openenv/<name>` is reflow/OpenEnv-v0 with name=<name>: the same episode, the same record id."""
+    runner = EpisodeRunner(None, tiny_tokenizer)
+    by_id = reflow.make("openenv/guess", url=guess_server)
+    by_kwarg = reflow.make("reflow/OpenEnv-v0", url=guess_server, name="guess")
+    recs = [await runner.run(env, seed=5, demo_policy=bisect) for env in (by_id, by_kwarg)]
+    await by_id.close()
+    await by_kwarg.close()
+    assert by_id.unwrapped.name == "guess" and by_id.unwrapped.url == guess_server
+    assert [(r.env_id, r.status, r.success, len(r.turns)) for r in recs] == [
+        ("openenv/guess", "ok", True, bisect_steps(5))
+    ] * 2
+    assert recs[0].messages == recs[1].messages
 
 
 async def test_more_episodes_than_the_servers_capacity_wait_for_a_slot(guess_server, tiny_tokenizer):

@@ -133,6 +133,40 @@ def test_only_the_entry_point_imports_the_cli():
             assert "cli" not in _reflow_imports(path), f"{path.relative_to(ROOT)} imports reflow.cli"
 
 
+def _classes(path: Path) -> list[ast.ClassDef]:
+    return [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)]
+
+
+def test_classes_are_composed_not_mixed():
+    # A class gets behaviour from the objects it holds, not from mixed-in bases whose attributes it
+    # must set (TorchEngine holds its DecodeLoop; the engines implement the Engine protocol by shape).
+    for path in (ROOT / "reflow").rglob("*.py"):
+        for cls in _classes(path):
+            assert len(cls.bases) <= 1, f"{path.relative_to(ROOT)}: {cls.name} has {len(cls.bases)} bases"
+    for rel, name in (
+        ("reflow/engine/torch_engine.py", "TorchEngine"),
+        ("reflow/engine/sglang_engine.py", "SGLangEngine"),
+    ):
+        (cls,) = [c for c in _classes(ROOT / rel) if c.name == name]
+        assert not cls.bases, f"{name} inherits behaviour: {[ast.unparse(b) for b in cls.bases]}"
+
+
+def test_each_recipe_module_keeps_to_one_concern():
+    # The loops' shared parts live in small modules by concern (run_state, checkpoints, evaluation,
+    # run_log, weight_sync), not in one grab bag of public names a newcomer must read whole.
+    for path in (ROOT / "reflow" / "recipes").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        public = [
+            n.name
+            for n in tree.body
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+            and not n.name.startswith("_")
+        ]
+        assert len(public) <= 10, (
+            f"{path.relative_to(ROOT)} has {len(public)} public names: split it by concern"
+        )
+
+
 def test_builtin_envs_import_only_the_public_env_api():
     for path in (ROOT / "envs").rglob("*.py"):
         for line in path.read_text().splitlines():

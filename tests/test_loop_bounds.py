@@ -11,7 +11,7 @@ import heapq
 import pytest
 from replay_helpers import make_group
 
-from reflow.recipes.train_parts import out_of_time
+from reflow.recipes.run_state import out_of_time
 from reflow.recipes.weight_sync import EngineVersions
 from reflow.replay import ReplayStore
 from reflow.replay.cycle import AdmissionControl, CycleConfig, consume, plan_batch

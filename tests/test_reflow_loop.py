@@ -1,6 +1,7 @@
 """The decoupled loop's elastic pool and tail scheduler (issue F7 points 2, 3): the tail gate's and the
 re-indexing's arithmetic without Ray, then a real `agent-train` run in mode reflow whose elastic pool
-moves a slot to rollout and back mid-run without losing a group or turning an engine's weights back."""
+moves a slot to rollout and back mid-run without losing a group or turning an engine's weights back
+(the tail's per-episode actions applied: `test_tail_runtime.py`)."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def test_tail_gate_starts_b_plus_delta_counts_the_extra_ones_and_stops_once_b_ar
     look = gate.look(0, [], [0, 0], now=0.0)
     assert look.room == 4 and look.beyond_b == 0
     assert [e["what"] for e in look.events] == ["over_provision"] and look.events[0]["extra"] == 0
-    assert [look.take() for _ in range(4)] == [False] * 4 and not look.allows()
+    assert [look.take(look.worker()) for _ in range(4)] == [False] * 4 and not look.allows()
     # a heavy tail (p90 / p50 = 2): delta = min(ceil(4 x (1 - 1/2)), floor(4 x 0.5)) = 2
     gate.observe([1.0] * 6 + [2.0] * 4)  # p50 1 s, p90 2 s
     running = [_group(i, i % 2, 0.0) for i in range(3)]
@@ -67,7 +68,7 @@ def test_tail_gate_starts_b_plus_delta_counts_the_extra_ones_and_stops_once_b_ar
     assert look.room == 2 and look.beyond_b == 2  # both extra groups are beyond B
     assert look.events[0]["what"] == "over_provision" and look.events[0]["extra"] == 2
     assert "h = 2" in look.events[0]["why"]
-    assert [look.take(), look.take()] == [True, True] and not look.allows()
+    assert [look.take(0), look.take(1)] == [True, True] and not look.allows()
     assert gate.look(1, running, [2, 1], now=6.0).events == []  # the same decision: no new event
     # B done: the rest carry over, nothing more starts for this batch
     look = gate.look(4, running[:2], [1, 1], now=7.0)
@@ -80,7 +81,7 @@ def test_tail_gate_starts_b_plus_delta_counts_the_extra_ones_and_stops_once_b_ar
 
 def test_tail_gate_off_sets_no_limit_and_migrations_are_logged_not_applied():
     off = TailGate(None, batch=4, per_worker=8).look(0, [], [0], now=0.0)
-    assert off.room is None and off.allows() and off.take() is False and off.events == []
+    assert off.room is None and off.allows() and off.take(0) is False and off.events == []
     gate = TailGate(TailPolicy(), batch=4, per_worker=8)
     actions = [
         OverProvision(1, 0, "one more"),
@@ -150,6 +151,7 @@ def test_reflow_run_moves_a_slot_both_ways_and_loses_no_group(tmp_path, monkeypa
         "train.steps=6",
         "resources.slots=[rollout, train, train]",
         "replay.eta=1",
+        "tail.migrate=false",  # this run is about role changes; the ablation flag keeps episodes put
     ]
     try:
         summary = train(load_config(None, overrides))
@@ -178,7 +180,8 @@ def test_reflow_run_moves_a_slot_both_ways_and_loses_no_group(tmp_path, monkeypa
     # the policy's decision names the groups; the loop's event says how many it carried over
     carried = [t["carried"] for t in tail if t["what"] == "carry_over" and "carried" in t]
     assert carried and summary["tail_carried_over"] == sum(carried)
-    assert summary["tail_migrations"] == 0
+    assert summary["tail_migrations"] == 0  # tail.migrate=false
+    assert not [t for t in tail if t["what"] == "migrate"]
     # nothing acknowledged was lost: every group reported to the loop (drained ones included) is in
     # the store, whole, and every group a step trained on is stored and consumed
     with ReplayStore(run_dir / "replay.sqlite", "elastic") as store:

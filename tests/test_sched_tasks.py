@@ -134,7 +134,7 @@ def test_eval_schedule_after_a_resume_and_bad_settings():
         EvalSchedule(10.0, after_s=-1.0)
 
 
-# --- where the loops use them (reflow.recipes.train_parts), with a real RunConfig and RunState ---
+# --- where the loops use them (reflow.recipes.run_state, .evaluation), with a real RunConfig and RunState ---
 
 
 def _config(*overrides):
@@ -152,7 +152,7 @@ def _report(successes):
 
 
 def test_next_seeds_revisits_learnable_tasks_and_counts_fresh_seeds_on():
-    from reflow.recipes.train_parts import RunState, next_seeds, observe_tasks
+    from reflow.recipes.run_state import RunState, next_seeds, observe_tasks
 
     config, state = _config("tasks.learnability=true", "tasks.revisit_share=0.5"), RunState()
     first = next_seeds(state, 4, config)
@@ -172,7 +172,7 @@ def test_next_seeds_revisits_learnable_tasks_and_counts_fresh_seeds_on():
 
 
 def test_observations_follow_the_pools_round_robin_deal_over_workers():
-    from reflow.recipes.train_parts import RunState, next_seeds, observe_tasks
+    from reflow.recipes.run_state import RunState, next_seeds, observe_tasks
 
     config, state = _config("tasks.learnability=true", "tasks.revisit_share=1.0"), RunState()
     seeds = next_seeds(state, 5, config)
@@ -190,7 +190,8 @@ def test_learnability_is_a_sync_mode_switch():
 
 
 def test_eval_due_follows_the_wall_clock_when_every_s_is_set_else_the_steps():
-    from reflow.recipes.train_parts import RunState, eval_due
+    from reflow.recipes.evaluation import eval_due
+    from reflow.recipes.run_state import RunState
 
     state = RunState(step=10, wall_s=5.0)
     steps = _config("eval.every=10")
@@ -209,7 +210,7 @@ def test_eval_due_follows_the_wall_clock_when_every_s_is_set_else_the_steps():
 
 
 def test_the_run_summary_ends_with_the_headroom_before_and_after():
-    from reflow.recipes.train_parts import headroom_summary
+    from reflow.recipes.run_log import headroom_summary
 
     room = {"samples_per_task": 8, "greedy_success": 0.4, "sampled_success": 0.3, "pass_at_k": 0.8}
     out = headroom_summary({"start": {**room, "headroom": 0.42}, "final": {**room, "headroom": 0.2}})

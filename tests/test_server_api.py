@@ -160,10 +160,10 @@ async def test_concurrent_retries_of_a_running_step_share_one_run(server):
 
 async def test_remote_env_retries_a_step_whose_answer_was_lost(server):
     """The first answer of a step is dropped on the way back: the retry gets the stored result."""
-    env = reflow.make("reflow/Remote-v0", **remote_kwargs(server, "reflow/Calc-v0"))
+    env = reflow.make("reflow/Remote-v0", **remote_kwargs(server, "reflow/Calc-v0", transport="http"))
     await env.reset(seed=0)
     remote = env.unwrapped
-    real = remote.client()
+    real = remote.transport.http()
     lost = []
 
     async def drop_first_answer(request: httpx.Request) -> httpx.Response:
@@ -174,11 +174,40 @@ async def test_remote_env_retries_a_step_whose_answer_was_lost(server):
         return response
 
     transport = httpx.MockTransport(drop_first_answer)
-    remote._client = httpx.AsyncClient(transport=transport, base_url=server.url, headers=server.headers)
+    remote.transport.client = httpx.AsyncClient(
+        transport=transport, base_url=server.url, headers=server.headers
+    )
     result = await env.step(parse_assistant(CALL, tools=remote.tools))
     assert lost and result.messages[0]["content"] == "42" and remote.turn_index == 1
     await env.close()
     await real.aclose()
+
+
+async def test_remote_env_over_the_websocket_retries_a_step_whose_socket_was_lost(server, http):
+    """The step ran, then its socket died before the answer was read: a new socket, the same turn
+    index, the stored result; the step ran once."""
+    from reflow.server.transports import Lost, WsTransport
+
+    env = reflow.make("reflow/Remote-v0", **remote_kwargs(server, "reflow/Calc-v0", transport="ws"))
+    await env.reset(seed=0)
+    remote = env.unwrapped
+    assert isinstance(remote.transport, WsTransport)
+    first_socket, real_answer, lost = remote.transport.ws, remote.transport._answer, []
+
+    async def lose_first_answer(ws, request_id, timeout_s):
+        reply = await real_answer(ws, request_id, timeout_s)
+        if not lost:
+            lost.append(reply)
+            raise Lost("socket reset while reading the answer")
+        return reply
+
+    remote.transport._answer = lose_first_answer
+    result = await env.step(parse_assistant(CALL, tools=remote.tools))
+    assert lost and lost[0]["body"]["replayed"] is False
+    assert result.messages[0]["content"] == "42" and remote.turn_index == 1
+    assert remote.transport.ws is not first_socket  # the lost socket was dropped, a new one opened
+    assert http.get(f"/v1/sessions/{remote.session_id}").json()["turns"] == 1
+    await env.close()
 
 
 async def test_an_env_whose_episode_ended_ok_is_reused_and_others_are_closed(server, http):

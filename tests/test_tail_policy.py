@@ -164,3 +164,12 @@ def test_bad_observations_are_refused():
         TailObservation(8, 0, (), (EngineState("e0", 1, 8), EngineState("e0", 0, 8)))
     with pytest.raises(ValueError, match="over_provision_max"):
         TailConfig(over_provision_max=2.0)
+
+
+def test_the_migrate_and_set_concurrency_switches_turn_those_actions_off():
+    # migrate off: the stragglers stay put; the engine already empty is still freed
+    assert kinds(TailPolicy(TailConfig(migrate=False)).decide(tail_obs())) == ["free_slot"]
+    curve = ((1, 100.0), (4, 350.0), (8, 480.0), (16, 500.0))
+    eng = EngineState("e0", running=3, max_running=16, curve=curve)
+    assert kinds(TailPolicy().decide(TailObservation(8, 8, (), (eng,)))) == ["set_concurrency"]
+    assert TailPolicy(TailConfig(set_concurrency=False)).decide(TailObservation(8, 8, (), (eng,))) == []

@@ -271,13 +271,14 @@ async def test_bad_requests_and_failures(engine, tiny):
     with pytest.raises(EngineError):
         await no_tok.generate([1, 2], greedy(3))
     # A failing model step fails its requests with EngineError; the engine then serves the next ones.
-    real = engine._forward
+    decoder = engine._decoder  # the worker loop the engine holds: its model step is what fails here
+    real = decoder._forward
 
     def broken(*args, **kwargs):
-        engine._forward = real
+        decoder._forward = real
         raise RuntimeError("boom")
 
-    engine._forward = broken
+    decoder._forward = broken
     with pytest.raises(EngineError, match="boom"):
         await engine.generate(prompt(5, 1), greedy(3))
     assert len((await engine.generate(prompt(5, 1), greedy(3))).output_ids) == 3

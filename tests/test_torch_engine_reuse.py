@@ -34,7 +34,7 @@ async def test_next_turn_reuses_the_previous_turns_cache(tiny):
         first = await eng.generate(first_ids, greedy(30))
         turn2 = first_ids + first.output_ids + prompt(7, seed=11)
         fresh = prompt(90, seed=12)
-        with eng._wake:  # hold the worker so that both requests join the same prefill batch
+        with eng._decoder._wake:  # hold the worker so that both requests join the same prefill batch
             tasks = [asyncio.create_task(eng.generate(ids, sampled)) for ids in (turn2, fresh)]
             await asyncio.sleep(0.01)
         second, other = await asyncio.gather(*tasks)
@@ -90,7 +90,7 @@ async def test_identical_prompts_are_prefilled_once(tiny):
     ids, other = prompt(50, seed=15), prompt(20, seed=16)
     params = [SamplingParams(max_new_tokens=15, temperature=1.0, seed=s) for s in range(4)]
     try:
-        with eng._wake:  # one admission batch
+        with eng._decoder._wake:  # one admission batch
             tasks = [asyncio.create_task(eng.generate(ids, p)) for p in params]
             tasks.append(asyncio.create_task(eng.generate(other, greedy(15))))
             await asyncio.sleep(0.01)

@@ -244,6 +244,20 @@ def test_zero_advantage_rows_do_not_move_the_policy():
         assert torch.allclose(before[k], v, atol=1e-7), k
 
 
+def test_a_step_with_no_sampled_token_changes_nothing():
+    # AdamW with weight decay moves the weights even on zero gradients: an empty step must not step.
+    trainer = PolicyTrainer(_model(), 0, TrainerConfig(lr=1e-2, bf16=False, weight_decay=0.1))
+    trainer.train_step(_rows())  # momentum to carry, version 1
+    before, optim_steps = _weights(trainer.model), len(trainer.optimizer.state)
+    no_tokens = [TrainRow(_segment(random.Random(1), 5, 0), 1.0)]
+    for rows in ([], no_tokens):
+        metrics = trainer.train_step(rows)
+        assert metrics["updates"] == 0.0 and metrics["trained_tokens"] == 0.0
+    assert (trainer.version, trainer.step, len(trainer.optimizer.state)) == (1, 1, optim_steps)
+    for k, v in _weights(trainer.model).items():
+        assert torch.equal(before[k], v), k
+
+
 def _episode(status: str, reward: float, gid: str = "g") -> EpisodeRecord:
     seg = _segment(random.Random(len(status)), 3, 4)
     return EpisodeRecord(

@@ -11,7 +11,7 @@ running sequence. A request that finishes frees its row at once and the next wai
 on the following iteration (continuous batching): short requests never wait for the longest one in
 their batch. torch releases the GIL inside its kernels, so the asyncio event loop stays responsive while
 the worker computes; results come back through `loop.call_soon_threadsafe`. (The worker's loop lives in
-`torch_worker.py`, the KV cache in `kv_cache.py`, sampling in `sampling.py`.)
+`torch_worker.py`: `DecodeLoop`, held by the engine; the KV cache in `kv_cache.py`, sampling in `sampling.py`.)
 
 Prefix reuse (`prefix_cache=True`): a finished request's row keeps its keys/values ("parked"); a new
 prompt that starts with that request's prompt + completion (the next turn of a multi-turn episode,
@@ -42,7 +42,6 @@ Semantics the rollout and trainer rely on:
 from __future__ import annotations
 
 import asyncio
-import collections
 import inspect
 import threading
 import time
@@ -54,13 +53,13 @@ import torch
 
 from reflow.engine.base import EngineError, GenerateResult, SamplingParams
 from reflow.engine.kv_cache import SlotKVCache
-from reflow.engine.sampling import BatchParams, IncrementalDetokenizer
+from reflow.engine.sampling import IncrementalDetokenizer
 from reflow.engine.torch_worker import DecodeLoop, Request
 from reflow.engine.weights import check_state_dict
 from reflow.models.weights import load_state_dict
 
 
-class TorchEngine(DecodeLoop):
+class TorchEngine:
     """The `Engine` protocol on a local torch model (CPU by default). See the module docstring."""
 
     def __init__(
@@ -99,41 +98,29 @@ class TorchEngine(DecodeLoop):
         if self.device != next(model.parameters()).device:
             self.model = model.to(self.device)
         self.max_batch_size = max_batch_size
-        self.max_prefill_tokens = max_prefill_tokens
-        self.prefix_cache = prefix_cache
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_context = int(getattr(config, "max_position_embeddings", 1 << 30))
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else self._default_eos())
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
-        self._pad_id = pad if pad is not None else 0
         dtype = next(model.parameters()).dtype
         # transformers 5 calls the cache argument `cache`; 4.x calls it `past_key_values`.
         forward_args = inspect.signature(model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in forward_args else "past_key_values"
-        self._cache = SlotKVCache(config.num_hidden_layers, max_batch_size, self.device, dtype, kv_headroom)
-        self._version = weight_version
+        self._decoder = DecodeLoop(
+            self.model,
+            SlotKVCache(config.num_hidden_layers, max_batch_size, self.device, dtype, kv_headroom),
+            device=self.device,
+            max_batch_size=max_batch_size,
+            max_prefill_tokens=max_prefill_tokens,
+            max_context=self.max_context,
+            vocab_size=self.vocab_size,
+            prefix_cache=prefix_cache,
+            pad_id=pad if pad is not None else 0,
+            cache_kwarg="cache" if "cache" in forward_args else "past_key_values",
+            version=weight_version,
+        )
         self._newest = weight_version  # the newest version given to update_weights (applied or queued)
-        self._inbox: collections.deque[tuple[str, Any]] = collections.deque()
-        self._wake = threading.Condition()
-        self._waiting: collections.deque[Request] = collections.deque()
-        self._running: dict[int, Request] = {}  # row -> request
-        self._by_id: dict[str, Request] = {}
-        self._params: BatchParams | None = None  # of the rows in sorted order; None when stale
-        self._closed = False
         self._started = time.time()
-        self._stats: dict[str, float] = {
-            "steps": 0,
-            "prefills": 0,
-            "generated_tokens": 0,
-            "prefill_tokens": 0,  # prompt tokens computed (reused prefixes not counted)
-            "prefix_hits": 0,
-            "prefix_hit_tokens": 0,  # prompt tokens whose keys/values were copied, not computed
-            "prefill_s": 0.0,  # time in prefill passes (sampling included)
-            "decode_s": 0.0,  # time in decode steps
-            "errors": 0,
-        }
-        self._last_error: str | None = None
-        self._thread = threading.Thread(target=self._worker, name="reflow-torch-engine", daemon=True)
+        self._thread = threading.Thread(target=self._decoder.run, name="reflow-torch-engine", daemon=True)
         self._thread.start()
 
     def _default_eos(self) -> list[int]:
@@ -148,14 +135,14 @@ class TorchEngine(DecodeLoop):
     # -- the Engine API (called from the event loop) ----------------------------------------------------
     @property
     def weight_version(self) -> int:
-        return self._version
+        return self._decoder.version
 
     async def generate(
         self, input_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> GenerateResult:
         """Generate one completion of `input_ids`. Raises ValueError on a bad request and EngineError
         when the engine is closed or a model step fails. Cancelling the awaiting task aborts it."""
-        if self._closed or not self._thread.is_alive():
+        if self._decoder.closed or not self._thread.is_alive():
             raise EngineError("engine is closed")
         ids = [int(i) for i in input_ids]
         if not ids:
@@ -169,7 +156,7 @@ class TorchEngine(DecodeLoop):
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         rid = request_id or uuid.uuid4().hex
-        if rid in self._by_id:
+        if rid in self._decoder.by_id:
             raise ValueError(f"request id {rid!r} is already in flight")
         generator = None
         if params.seed is not None and params.temperature > 0:
@@ -185,17 +172,17 @@ class TorchEngine(DecodeLoop):
             generator=generator,
             detok=IncrementalDetokenizer(self._decode) if params.stop else None,
         )
-        self._by_id[rid] = req
-        self._post("generate", req)
+        self._decoder.by_id[rid] = req
+        self._decoder.post("generate", req)
         try:
             return await req.future
         except asyncio.CancelledError:
-            self._post("abort", rid)
+            self._decoder.post("abort", rid)
             raise
 
     async def abort(self, request_id: str) -> None:
         """Finish a request now with finish_reason "abort" and the tokens it has; unknown ids are ignored."""
-        self._post("abort", request_id)
+        self._decoder.post("abort", request_id)
 
     async def update_weights(
         self,
@@ -211,7 +198,7 @@ class TorchEngine(DecodeLoop):
         the newest one given raises ValueError unless `rewind` (see the module docstring)."""
         if (state_dict is None) == (path is None):
             raise ValueError("pass exactly one of state_dict or path")
-        if self._closed:
+        if self._decoder.closed:
             raise EngineError("engine is closed")
         self._check_version(version, rewind)  # before reading a file for nothing
         if path is not None:
@@ -224,12 +211,12 @@ class TorchEngine(DecodeLoop):
         self._newest = target
         loop = asyncio.get_running_loop()
         done: asyncio.Future[int] = loop.create_future()
-        self._post("update", (state_dict, target, done, loop))
+        self._decoder.post("update", (state_dict, target, done, loop))
         try:
             return await done
         except Exception:  # the copy failed (a cancelled caller leaves the update queued)
             if self._newest == target:  # nothing newer queued since: the engine stays where it is
-                self._newest = self._version
+                self._newest = self._decoder.version
             raise
 
     def _check_version(self, version: int | None, rewind: bool) -> int:
@@ -244,33 +231,24 @@ class TorchEngine(DecodeLoop):
 
     async def health(self) -> dict[str, Any]:
         return {
-            "ok": self._thread.is_alive() and not self._closed,
+            "ok": self._thread.is_alive() and not self._decoder.closed,
             "engine": "torch",
-            "weight_version": self._version,
-            "running": len(self._running),
-            "waiting": len(self._waiting) + sum(1 for kind, _ in list(self._inbox) if kind == "generate"),
+            "weight_version": self._decoder.version,
             "max_batch_size": self.max_batch_size,
             "device": str(self.device),
-            "kv_capacity": self._cache.capacity,
-            "kv_rebases": self._cache.rebases,
             "uptime_s": time.time() - self._started,
-            "last_error": self._last_error,
-            **self._stats,
+            "last_error": self._decoder.last_error,
+            **self._decoder.load(),
         }
 
     async def close(self) -> None:
         """Stop the worker; requests still in flight fail with EngineError("engine closed")."""
-        if self._closed:
+        if self._decoder.closed:
             return
-        self._closed = True
-        self._post("close", None)
+        self._decoder.closed = True
+        self._decoder.post("close", None)
         await asyncio.to_thread(self._thread.join)
 
-    # -- talking to the worker thread ---------------------------------------------------------------------
-    def _post(self, kind: str, item: Any) -> None:
-        with self._wake:
-            self._inbox.append((kind, item))
-            self._wake.notify()
-
+    # -- the worker thread's helper ---------------------------------------------------------------------------
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)

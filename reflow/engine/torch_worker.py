@@ -1,11 +1,12 @@
-"""The worker-thread half of TorchEngine: the loop that admits, prefills, decodes and finishes requests.
+"""The worker-thread half of TorchEngine: `DecodeLoop`, the loop that admits, prefills, decodes and
+finishes requests, and the state only it touches.
 
 `TorchEngine` (torch_engine.py) is the asyncio-facing half: it validates requests, posts them to the
-inbox and awaits their futures. This mixin runs in the engine's dedicated thread and is the only code
-that touches the model and the KV cache. It relies on the attributes `TorchEngine.__init__` sets (model,
-cache, queues, stats; annotated below). One loop iteration: apply control messages (new requests,
-aborts, weight updates) -> prefill waiting requests into free rows -> one decode step for all running
-rows -> finish what stopped -> compact the rows if nothing waits.
+loop's inbox (`DecodeLoop.post`) and awaits their futures. The `DecodeLoop` it holds runs in the
+engine's dedicated thread (`run`) and is the only code that touches the model and the KV cache. One
+loop iteration: apply control messages (new requests, aborts, weight updates) -> prefill waiting
+requests into free rows -> one decode step for all running rows -> finish what stopped -> compact the
+rows if nothing waits.
 """
 
 from __future__ import annotations
@@ -49,34 +50,81 @@ class Request:
 
 
 class DecodeLoop:
-    """The worker loop; mixed into TorchEngine, which sets these attributes."""
+    """The engine's worker loop and everything it owns: the model, the KV cache, the request queues
+    and the counters. Other threads may only `post` messages, register a request id (`by_id`) and
+    read `version`, `closed`, `last_error` and `load()`."""
 
-    model: Any
-    device: torch.device
-    max_batch_size: int
-    max_prefill_tokens: int
-    max_context: int
-    vocab_size: int
-    prefix_cache: bool
-    _cache: SlotKVCache
-    _cache_kwarg: str
-    _pad_id: int
-    _version: int
-    _inbox: collections.deque[tuple[str, Any]]
-    _wake: threading.Condition
-    _waiting: collections.deque[Request]
-    _running: dict[int, Request]
-    _by_id: dict[str, Request]
-    _params: BatchParams | None
-    _closed: bool
-    _stats: dict[str, float]
-    _last_error: str | None
+    def __init__(
+        self,
+        model: Any,
+        cache: SlotKVCache,
+        *,
+        device: torch.device,
+        max_batch_size: int,
+        max_prefill_tokens: int,
+        max_context: int,
+        vocab_size: int,
+        prefix_cache: bool,
+        pad_id: int,
+        cache_kwarg: str,
+        version: int,
+    ) -> None:
+        self.model = model
+        self._cache = cache
+        self.device = device
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_context = max_context
+        self.vocab_size = vocab_size
+        self.prefix_cache = prefix_cache
+        self._pad_id = pad_id
+        self._cache_kwarg = cache_kwarg
+        self.version = version
+        """The weights' version: every token sampled from now on is tagged with it."""
+        self.closed = False
+        self.last_error: str | None = None
+        self.by_id: dict[str, Request] = {}
+        """Requests in flight by id: the engine registers one before posting it, the loop drops it when
+        it finishes."""
+        self._inbox: collections.deque[tuple[str, Any]] = collections.deque()
+        self._wake = threading.Condition()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._running: dict[int, Request] = {}  # row -> request
+        self._params: BatchParams | None = None  # of the rows in sorted order; None when stale
+        self.stats: dict[str, float] = {
+            "steps": 0,
+            "prefills": 0,
+            "generated_tokens": 0,
+            "prefill_tokens": 0,  # prompt tokens computed (reused prefixes not counted)
+            "prefix_hits": 0,
+            "prefix_hit_tokens": 0,  # prompt tokens whose keys/values were copied, not computed
+            "prefill_s": 0.0,  # time in prefill passes (sampling included)
+            "decode_s": 0.0,  # time in decode steps
+            "errors": 0,
+        }
 
-    def _worker(self) -> None:
+    def post(self, kind: str, item: Any) -> None:
+        """A control message for the loop ("generate", "abort", "update", "close"), applied in order."""
+        with self._wake:
+            self._inbox.append((kind, item))
+            self._wake.notify()
+
+    def load(self) -> dict[str, Any]:
+        """What the loop holds now (read from another thread: a consistent-enough snapshot)."""
+        return {
+            "running": len(self._running),
+            "waiting": len(self._waiting) + sum(1 for kind, _ in list(self._inbox) if kind == "generate"),
+            "kv_capacity": self._cache.capacity,
+            "kv_rebases": self._cache.rebases,
+            **self.stats,
+        }
+
+    def run(self) -> None:
+        """The thread's target: loop until "close" (or the loop dies), then fail whatever is left."""
         try:
             self._loop()
         finally:  # closed, or the loop itself died: nobody may wait forever
-            self._closed = True
+            self.closed = True
             err = EngineError("engine closed")
             for req in [*self._running.values(), *self._waiting]:
                 self._fail(req, err)
@@ -103,8 +151,8 @@ class DecodeLoop:
                         self._step()
                 except Exception as e:  # a failed step fails its requests, never the whole engine
                     log.exception("TorchEngine step failed")
-                    self._stats["errors"] += 1
-                    self._last_error = repr(e)
+                    self.stats["errors"] += 1
+                    self.last_error = repr(e)
                     for req in list(self._running.values()):
                         self._fail(req, EngineError(f"engine step failed: {e!r}"))
                     self._cache.reset()
@@ -116,7 +164,7 @@ class DecodeLoop:
             if kind == "generate":
                 self._waiting.append(item)
             elif kind == "abort":
-                req = self._by_id.get(item)
+                req = self.by_id.get(item)
                 if req is not None and not req.future.done():
                     if req in self._waiting:
                         self._waiting.remove(req)
@@ -126,8 +174,8 @@ class DecodeLoop:
                 try:
                     copy_weights(self.model, state_dict)
                     self._cache.drop_parked()  # their keys/values belong to the old weights
-                    self._version = self._version + 1 if version is None else int(version)
-                    resolve(loop, done, self._version)
+                    self.version = self.version + 1 if version is None else int(version)
+                    resolve(loop, done, self.version)
                 except Exception as e:
                     resolve(loop, done, e)
             elif kind == "close":
@@ -186,13 +234,13 @@ class DecodeLoop:
         if copies:
             logits = logits[torch.tensor([lead.index(leader[i]) for i in range(len(batch))])]
         tokens, logprobs = sample(logits, self._build_params(batch))
-        self._stats["prefills"] += 1
-        self._stats["prefill_tokens"] += sum(todo)
-        self._stats["prefix_hits"] += sum(1 for _, p in reuse if p) + len(copies)
-        self._stats["prefix_hit_tokens"] += sum(reuse[i][1] for i in lead) + sum(
+        self.stats["prefills"] += 1
+        self.stats["prefill_tokens"] += sum(todo)
+        self.stats["prefix_hits"] += sum(1 for _, p in reuse if p) + len(copies)
+        self.stats["prefix_hit_tokens"] += sum(reuse[i][1] for i in lead) + sum(
             len(batch[i].input_ids) for i in copies
         )
-        self._stats["prefill_s"] += time.perf_counter() - started
+        self.stats["prefill_s"] += time.perf_counter() - started
         for req, tok, lp in zip(batch, tokens.tolist(), logprobs.tolist(), strict=True):
             self._accept(req, tok, lp)
 
@@ -216,8 +264,8 @@ class DecodeLoop:
         if self._params is None:
             self._params = self._build_params([self._running[r] for r in rows])
         tokens, logprobs = sample(logits, self._params)
-        self._stats["steps"] += 1
-        self._stats["decode_s"] += time.perf_counter() - started
+        self.stats["steps"] += 1
+        self.stats["decode_s"] += time.perf_counter() - started
         for row, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
             self._accept(self._running[row], tok, lp)
         if not self._waiting and len(self._running) < cache.n_rows:
@@ -266,8 +314,8 @@ class DecodeLoop:
         """Record one sampled token and finish the request if it hit a stop condition."""
         req.output_ids.append(token)
         req.logprobs.append(logprob)
-        req.versions.append(self._version)
-        self._stats["generated_tokens"] += 1
+        req.versions.append(self.version)
+        self.stats["generated_tokens"] += 1
         if token in req.stop_ids:
             self._finish(req, "stop", token)
             return
@@ -290,7 +338,7 @@ class DecodeLoop:
             output_ids=req.output_ids,
             logprobs=req.logprobs,
             finish_reason=reason,
-            weight_version=req.versions[-1] if req.versions else self._version,
+            weight_version=req.versions[-1] if req.versions else self.version,
             prompt_tokens=len(req.input_ids),
             matched_stop=matched,
             meta=meta,
@@ -304,10 +352,10 @@ class DecodeLoop:
     def _release(self, req: Request, park: bool = False) -> None:
         """Free the request's row; with `park`, keep its keys/values for a continuation (only when all of
         them come from the current weights)."""
-        self._by_id.pop(req.rid, None)
+        self.by_id.pop(req.rid, None)
         if req.row >= 0 and self._running.get(req.row) is req:
             del self._running[req.row]
-            fresh = park and self.prefix_cache and req.versions and req.versions[0] == self._version
+            fresh = park and self.prefix_cache and req.versions and req.versions[0] == self.version
             self._cache.release(req.row, req.input_ids + req.output_ids[:-1] if fresh else None)
             self._params = None
         req.row = -1

@@ -7,6 +7,10 @@ async env with the standard wrappers, both built from the same spec.
 
 Third-party packages declare a function in the `reflow.envs` entry-point group that calls `register`;
 `discover()` loads them all (the built-in envs come in the same way).
+
+`register_namespace("openenv", "reflow/OpenEnv-v0", "name")` makes a whole id namespace out of one
+registered env: `make("openenv/echo")` is `make("reflow/OpenEnv-v0", name="echo")`, recorded as
+`openenv/echo`. Registered ids come first; a namespace answers only ids nobody registered.
 """
 
 from __future__ import annotations
@@ -37,6 +41,15 @@ class DiscoveryError:
     error: str
 
 
+@dataclass(frozen=True)
+class Namespace:
+    env_id: str
+    """The registered env every id of the namespace is made from."""
+    name_kwarg: str
+    """The constructor kwarg that gets the part of the id after the namespace."""
+
+
+_namespaces: dict[str, Namespace] = {}
 _discovered = False
 _deferred = False  # an entry point was skipped because its module was mid-import; retry later
 _loaded: set[str] = set()
@@ -77,13 +90,43 @@ def register(
     )
 
 
+def register_namespace(namespace: str, env_id: str, name_kwarg: str) -> None:
+    """Make every id `<namespace>/<name>` that is not registered itself resolve to `env_id`, with
+    `<name>` as its constructor kwarg `name_kwarg` (e.g. the env an adapter plays on a remote server).
+    `env_id` is looked up when such an id is made, so it may be registered after this call."""
+    if not namespace or "/" in namespace:
+        raise ValueError(f"a namespace is one id segment without '/', got {namespace!r}")
+    _namespaces[namespace] = Namespace(env_id, name_kwarg)
+
+
+def namespaces() -> dict[str, Namespace]:
+    """The registered id namespaces, by name."""
+    return dict(_namespaces)
+
+
 def _spec(id: str) -> gymnasium.envs.registration.EnvSpec:
     discover()
     spec = gymnasium.registry.get(id)
     if spec is None or spec.entry_point != FACADE_ENTRY_POINT:
         known = ", ".join(env_ids()) or "none"
-        raise KeyError(f"no ReFlow env registered as {id!r}; registered: {known}")
+        spaces = "".join(f"; or {ns}/<name>" for ns in sorted(_namespaces))
+        raise KeyError(f"no ReFlow env registered as {id!r}; registered: {known}{spaces}")
     return spec
+
+
+def _resolve(id: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The registered settings of `id` and the constructor kwargs its id itself sets (a namespace's name)."""
+    discover()
+    registered = gymnasium.registry.get(id)
+    namespace, _, name = id.partition("/")
+    space = _namespaces.get(namespace) if name else None
+    if (registered is not None and registered.entry_point == FACADE_ENTRY_POINT) or space is None:
+        return dict(_spec(id).kwargs), {}
+    if not name.strip() or name != name.strip():
+        raise KeyError(
+            f"{id!r}: the name after {namespace}/ must be a non-empty name without spaces at its ends"
+        )
+    return dict(_spec(space.env_id).kwargs), {space.name_kwarg: name}
 
 
 def env_ids() -> list[str]:
@@ -93,8 +136,10 @@ def env_ids() -> list[str]:
 
 
 def spec_kwargs(id: str) -> dict[str, Any]:
-    """The registered settings of an env: entry point, constructor kwargs, max_turns, deadline_s."""
-    return dict(_spec(id).kwargs)
+    """The registered settings of an env: entry point, constructor kwargs, max_turns, deadline_s (for an
+    id of a namespace, those of its env with the name among the constructor kwargs)."""
+    settings, named = _resolve(id)
+    return {**settings, "env_kwargs": {**settings["env_kwargs"], **named}}
 
 
 def build_env(
@@ -120,9 +165,14 @@ def build_env(
 
 
 def make(id: str, **kwargs: Any) -> Env:
-    """Make the async env registered as `id`; `max_turns`/`deadline_s` and constructor kwargs override."""
-    settings = spec_kwargs(id)
-    env_kwargs = {**settings["env_kwargs"], **{k: v for k, v in kwargs.items() if k not in _WRAPPER_KEYS}}
+    """Make the async env registered as `id` (or named by a registered namespace, `openenv/echo`);
+    `max_turns`/`deadline_s` and constructor kwargs override the registered ones."""
+    settings, named = _resolve(id)
+    for key, value in named.items():
+        if key in kwargs and kwargs[key] != value:
+            raise ValueError(f"{id!r} already sets {key}={value!r}; it cannot also be {kwargs[key]!r}")
+    given = {k: v for k, v in kwargs.items() if k not in _WRAPPER_KEYS}
+    env_kwargs = {**settings["env_kwargs"], **named, **given}
     limits = {k: kwargs.get(k, settings[k]) for k in _WRAPPER_KEYS}
     return build_env(settings["env_entry_point"], env_kwargs, env_id=id, **limits)
 
@@ -176,3 +226,8 @@ def discover(force: bool = False) -> list[DiscoveryError]:
             discovery_errors.append(err)
             warnings.warn(f"reflow: env plugin {err.entry_point} failed to load: {err.error}", stacklevel=2)
     return discovery_errors
+
+
+# The interop adapter's namespace: `make("openenv/<name>", url=...)` plays env <name> of an OpenEnv server
+# through reflow/OpenEnv-v0 (registered by the `openenv` entry point, envs/openenv).
+register_namespace("openenv", "reflow/OpenEnv-v0", "name")

@@ -1,6 +1,7 @@
 """`OpenEnvEnv`: an unmodified OpenEnv server played as a ReFlow env, over its `/ws` session protocol.
 
-`reflow.make("reflow/OpenEnv-v0", url="http://host:8000", name="echo")`. Each `reset` opens one
+`reflow.make("openenv/echo", url="http://host:8000")`, the same as `reflow.make("reflow/OpenEnv-v0",
+url=..., name="echo")` (the `openenv/` id namespace, `reflow.env.registration`). Each `reset` opens one
 WebSocket (one server-side env instance: OpenEnv's HTTP `/reset` and `/step` are stateless and never
 used) and the episode's end closes it, so a server with `max_concurrent_envs=N` plays N episodes at once;
 more wait for a free slot (`CAPACITY_REACHED` is retried for `capacity_wait_s`).

@@ -6,8 +6,8 @@
   to the engines, repeat (`sync_loop` below).
 - async, reflow: rollout and training overlap on separate slots (`reflow.recipes.decoupled`).
 
-Everything the loops call is a plain function (`reflow.recipes.train_parts`) or a method on a Ray
-handle (`reflow.sched`).
+Everything the loops call is a plain function (`reflow.recipes`: run_state, checkpoints, evaluation,
+run_log, weight_sync) or a method on a Ray handle (`reflow.sched`).
 """
 
 from __future__ import annotations
@@ -19,26 +19,19 @@ import ray
 from rich.console import Console
 
 from reflow.config import RunConfig, dump_config
-from reflow.recipes.run_log import RunLog, plot_run, summary_table
-from reflow.recipes.train_parts import (
+from reflow.recipes.checkpoints import checkpoint, leftover_groups, rewind_replay
+from reflow.recipes.evaluation import eval_due, evaluate, evaluate_snapshots, measure_headroom
+from reflow.recipes.run_log import RunLog, plot_run, run_summary, step_record, summary_table
+from reflow.recipes.run_state import (
     Clock,
     RunState,
-    checkpoint,
-    eval_due,
-    evaluate,
-    evaluate_snapshots,
-    leftover_groups,
-    measure_headroom,
     next_seeds,
     observe_tasks,
     out_of_time,
-    rewind_replay,
-    run_summary,
     spread_round_size,
-    step_record,
-    sync_weights,
 )
 from reflow.recipes.warm_phase import prepare_model
+from reflow.recipes.weight_sync import sync_weights
 from reflow.sched.pool import ResourcePool, start_ray
 from reflow.sched.workers import GroupReport
 
@@ -77,6 +70,7 @@ def train(config: RunConfig, *, resume: bool = False, console: Console | None = 
         if not points or points[-1]["step"] != state.step:  # always end on an evaluation
             evaluate(pool, config, log, state, clock)
         measure_headroom(pool, config, log, state, "final")
+        state.count_rollout_slots(len(pool.rollout), state.wall_s)  # for the summary's idle ratio
         checkpoint(pool, config, state)
         evaluate_snapshots(pool, config, log, state)
         reuse = ray.get(pool.replay.reuse_histogram.remote())

@@ -40,7 +40,10 @@ COUNTS = ("role_changes", "role_change_s", "tail_over_provisioned", "tail_carrie
 
 def variants(ablations: bool) -> list[tuple[str, str, list[str]]]:
     """(row name, mode, overrides) of each run per seed."""
-    rows = [(mode, mode, []) for mode in MODES]
+    # sync and async rows run the mode as it is: the elastic pool and tail scheduler are reflow's parts
+    # (null: each mode's default, off outside reflow), whatever the config file switches on
+    plain = ["elastic.enabled=null", "tail.enabled=null"]
+    rows = [(mode, mode, [] if mode == "reflow" else plain) for mode in MODES]
     if ablations:
         rows += [(name, "reflow", extra) for name, extra in ABLATIONS.items()]
     return rows
@@ -140,7 +143,7 @@ def default_target(results: list[dict[str, Any]]) -> float | None:
 
 
 def table(results: list[dict[str, Any]], target: float | None, budget_minutes: float) -> str:
-    from reflow.recipes.train_parts import time_to_target
+    from reflow.recipes.run_log import time_to_target
 
     aim = (
         f"Target held-out success: {target:.3f}"

@@ -12,7 +12,9 @@
   in reflow (`elastic.enabled` / `tail.enabled` switch them off for ablations; `loop_sched`): the
   elastic pool may move one slot between rollout and training at each version boundary, and the
   tail scheduler keeps B + delta groups of a batch started (delta from the tail's heaviness) and lets
-  a step start on the first B done, the rest carrying over into the next step.
+  a step start on the first B done, the rest carrying over into the next step; in a batch's tail it
+  migrates stragglers onto fewer engines, starts the next batch's groups on the engines freed, and
+  keeps each engine's concurrency at the knee of its measured tokens/s curve.
 
 One driver loop: top up rollouts to what admission allows, start a train step when a batch can be
 planned, then wait for whichever finishes first (a group, the step, a weight push). With a time
@@ -31,23 +33,17 @@ from typing import Any
 import ray
 
 from reflow.config import RunConfig
+from reflow.recipes.checkpoints import checkpoint
+from reflow.recipes.evaluation import eval_due, evaluate
 from reflow.recipes.loop_sched import ElasticDriver, GroupInFlight, TailGate, moved_positions
-from reflow.recipes.run_log import RunLog
-from reflow.recipes.train_parts import (
-    Clock,
-    RunState,
-    checkpoint,
-    eval_due,
-    evaluate,
-    next_seeds,
-    out_of_time,
-    step_record,
-)
+from reflow.recipes.run_log import RunLog, step_record
+from reflow.recipes.run_state import Clock, RunState, next_seeds, out_of_time
 from reflow.recipes.weight_sync import WeightPusher
 from reflow.replay.cycle import AdmissionControl, ReplayShare
 from reflow.sched.pool import ResourcePool
 from reflow.sched.replay_service import PlannedBatch, cycle_config
 from reflow.sched.tail import TailPolicy
+from reflow.sched.tail_runtime import TailRuntime
 from reflow.sched.workers import GroupReport
 
 
@@ -91,12 +87,14 @@ class Arrivals:
     reports: list[GroupReport] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
     """How long each group took (the budget's estimate, the tail's quantiles)."""
+    episode_seconds: list[float] = field(default_factory=list)
     episodes: int = 0
 
     def add(self, new: list[GroupReport]) -> None:
         self.reports += new
         self.accepted += sum(r.has_spread for r in new)
         self.seconds += [r.seconds for r in new]
+        self.episode_seconds += [s for r in new for s in r.episode_seconds]
         self._seconds_sum += sum(r.seconds for r in new)
         self.episodes += sum(len(r.rewards) for r in new)
 
@@ -135,7 +133,9 @@ def decoupled_loop(pool: ResourcePool, config: RunConfig, log: RunLog, state: Ru
     rollouts: dict[Any, GroupInFlight] = {}  # object ref of a group in flight -> its worker, since when
     workers = BusyClock(len(pool.rollout))
     elastic = ElasticDriver(pool, config, state, clock.now()) if config.elastic.active(config.mode) else None
-    tail = TailGate(_tail_policy(config), B, per_worker)
+    tail = TailGate(
+        _tail_policy(config), B, per_worker, config.rollout.group_size, _tail_runtime(pool, config)
+    )
     busy_before = state.rollout_busy_s
     uses = ray.get(pool.replay.reuse_histogram.remote(spread=True))  # groups with spread, by uses
     got = Arrivals(accepted=sum(uses.values()))
@@ -148,20 +148,24 @@ def decoupled_loop(pool: ResourcePool, config: RunConfig, log: RunLog, state: Ru
         # fresh groups waiting; below 0 for a moment when a step took a group stored before its
         # report reached the loop (that group still counts as in flight)
         fresh = max(0, got.accepted - trained[state.version] - (step.fresh if step else 0))
-        # tail: how many more groups the batch being collected may start (B + delta; none once B done)
-        gate = tail.look(fresh, list(rollouts.values()), workers.in_flight, time.monotonic())
+        # tail: how many more groups the batch being collected may start (B + delta; none once B
+        # done) and where; in its tail, stragglers migrate, freed engines take the next batch's
+        # groups (as admission allows) and engine concurrency limits follow their measured knee
+        confirmed = weights.confirmed
+        room = admission.room(confirmed, got.accepted, len(rollouts), trained[confirmed])
+        gate = tail.look(fresh, list(rollouts.values()), workers.in_flight, time.monotonic(), room)
         _log_events(log, state, "tail", gate.events)
+        state.tail_migrations += gate.migrations
         # collect: start groups while the tail gate and admission (from the engines' confirmed
         # weights) allow, and while a group started now can still be trained inside the budget
-        confirmed = weights.confirmed
         while (
             can_step
             and gate.allows()
-            and (w := _free_worker(workers, per_worker)) is not None
+            and (w := gate.worker()) is not None
             and admission.may_start(confirmed, got.accepted, len(rollouts), trained[confirmed])
             and not out_of_time(budget, now, got.mean_seconds + step_s)
         ):
-            state.tail_over_provisioned += gate.take()
+            state.tail_over_provisioned += gate.take(w)
             ref, group = _launch(pool, w, weights.versions.confirmed[w], state)
             rollouts[ref] = group
             workers.start(w)
@@ -173,7 +177,7 @@ def decoupled_loop(pool: ResourcePool, config: RunConfig, log: RunLog, state: Ru
         if step is None and (not can_step or not (rollouts or weights.refs)):
             break  # no step running, and none can start or get data
         pending = [*rollouts, *weights.refs, *([step.refs[0]] if step else [])]
-        ready, _ = ray.wait(pending, num_returns=1)
+        ready, _ = ray.wait(pending, num_returns=1, timeout=tail.wake_s(len(rollouts)))
         weights.collect(ready)  # sync weights: record confirmed versions, start due pushes
         for ref in ready:
             if step is not None and ref == step.refs[0]:
@@ -189,8 +193,9 @@ def decoupled_loop(pool: ResourcePool, config: RunConfig, log: RunLog, state: Ru
                 workers.done(rollouts.pop(ref).worker)
                 got.add(ray.get(ref))
         if len(got.seconds) != tail.observed:  # groups arrived: the tail's quantiles move
-            tail.observe(got.seconds)
+            tail.observe(got.seconds, got.episode_seconds)
         state.rollout_busy_s = busy_before + workers.total()
+    _log_events(log, state, "tail", tail.close(time.monotonic()))  # migrations measured since
     for ref in rollouts:  # the run is over: groups still in flight are not waited for
         with contextlib.suppress(Exception):
             ray.cancel(ref)
@@ -199,6 +204,15 @@ def decoupled_loop(pool: ResourcePool, config: RunConfig, log: RunLog, state: Ru
 
 def _tail_policy(config: RunConfig) -> TailPolicy | None:
     return TailPolicy(config.tail.policy_config()) if config.tail.active(config.mode) else None
+
+
+def _tail_runtime(pool: ResourcePool, config: RunConfig) -> TailRuntime | None:
+    """What applies the tail's per-episode actions (migrations, freed engines, concurrency limits)."""
+    t = config.tail
+    if not (t.active(config.mode) and (t.migrate or t.set_concurrency)):
+        return None
+    r = config.rollout
+    return TailRuntime(pool, r.group_size, r.max_batch_size, unknown_tokens=r.max_context_tokens)
 
 
 def _log_events(log: RunLog, state: RunState, kind: str, events: list[dict[str, Any]]) -> None:
@@ -229,6 +243,7 @@ def _elastic_boundary(
     worker finished arrive."""
     rollouts, workers, weights = by_worker
     before = [s.index for s in pool.rollout_slots]
+    state.count_rollout_slots(len(before), clock.now())  # the idle ratios' denominator, at the old count
     event, change = elastic.at_boundary(
         state,
         clock.now(),
@@ -256,13 +271,6 @@ def _elastic_boundary(
         workers.insert(joined)
         weights.add(joined, change.version)
     got.add(change.drained)
-
-
-def _free_worker(workers: BusyClock, per_worker: int) -> int | None:
-    """The least loaded rollout worker with room for another group (None: all full)."""
-    load = workers.in_flight
-    best = min(range(len(load)), key=load.__getitem__)
-    return best if load[best] < per_worker else None
 
 
 def _launch(pool: ResourcePool, worker: int, version: int, state: RunState) -> tuple[Any, GroupInFlight]:

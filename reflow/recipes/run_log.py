@@ -1,5 +1,6 @@
-"""What a training run reports: metrics to JSONL and TensorBoard, a live rich display, the final summary
-table and PNG plots of held-out success against wall-clock time and generated tokens.
+"""What a training run reports: each step's metrics record (`step_record`) and the run summary
+(`run_summary`), written to JSONL and TensorBoard, a live rich display, the final summary table and PNG
+plots of held-out success against wall-clock time and generated tokens.
 
 Every record is one JSON object per line in `<run_dir>/metrics.jsonl` with a `kind` ("step", "eval",
 "warmstart", "summary"); TensorBoard scalars go to `<run_dir>/tb/`. A resumed run appends to both.
@@ -15,6 +16,12 @@ from typing import Any
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+
+from reflow.config import RunConfig
+from reflow.metrics import idle_ratio
+from reflow.metrics import quantile as _quantile
+from reflow.recipes.run_state import RunState
+from reflow.sched.workers import GroupReport
 
 STEP_COLUMNS = (
     ("step", "step", "{:.0f}"),
@@ -162,3 +169,112 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         plt.close(fig)
         out.append(run_dir / name)
     return out
+
+
+def step_record(
+    state: RunState,
+    n_workers: int,
+    reports: list[GroupReport],
+    n_trained: int,
+    train_metrics: dict[str, float],
+    staleness: list[int],
+    times: dict[str, float],
+) -> dict[str, Any]:
+    """One line of metrics for a train step: rollout (the groups that arrived since the last step; `n_workers`
+    rollout slots held since the previous count, see `RunState.count_rollout_slots`),
+    training, IS health, staleness, idle ratios so far and the phase times. `staleness` per trained
+    group: the trainer's version at the update (the weights the gradient is taken at, `state.version`
+    before the step) minus the version that generated the group (its oldest episode's start)."""
+    rewards = [x for r in reports for x in r.rewards]
+    successes = [x for r in reports for x in r.successes]
+    turns = [float(x) for r in reports for x in r.turns]
+    latencies = [x for r in reports for x in r.tool_latencies_ms]
+    generated = sum(r.generated_tokens for r in reports)
+    state.generated_tokens += generated
+    state.trained_tokens += train_metrics["trained_tokens"]
+    for s in staleness:
+        state.staleness_hist[str(s)] = state.staleness_hist.get(str(s), 0) + 1
+    statuses: dict[str, int] = {}
+    for r in reports:
+        for s in r.statuses:
+            statuses[s] = statuses.get(s, 0) + 1
+    wall = max(state.wall_s, 1e-9)
+    state.count_rollout_slots(n_workers, state.wall_s)
+    return {
+        "step": state.step,
+        "version": state.version,
+        "wall_s": state.wall_s,
+        "reward_mean": sum(rewards) / max(1, len(rewards)),
+        "success_rate": sum(successes) / max(1, len(successes)),
+        "groups_generated": len(reports),
+        "groups_trained": n_trained,
+        "zero_spread_share": 1 - sum(r.has_spread for r in reports) / max(1, len(reports)),
+        "generated_tokens": state.generated_tokens,
+        "step_generated_tokens": generated,
+        "generated_tokens_per_s": state.generated_tokens / wall,
+        "trained_tokens_per_s": state.trained_tokens / wall,
+        "rollout_idle_ratio": idle_ratio(state.rollout_busy_s, state.rollout_slot_s),
+        "trainer_idle_ratio": idle_ratio(state.trainer_busy_s, wall),
+        "staleness_mean": sum(staleness) / max(1, len(staleness)),
+        "staleness_max": max(staleness, default=0),
+        "steps_no_signal": state.steps_no_signal,
+        "turns_p50": _quantile(turns, 0.5),
+        "turns_p90": _quantile(turns, 0.9),
+        "turns_max": max(turns, default=0.0),
+        "tool_latency_p50_ms": _quantile(latencies, 0.5),
+        "tool_latency_p99_ms": _quantile(latencies, 0.99),
+        **times,
+        **{f"status_{k}": v for k, v in statuses.items()},
+        **{k: v for k, v in train_metrics.items() if k != "train_s"},
+    }
+
+
+def run_summary(
+    config: RunConfig, state: RunState, reuse_hist: dict[int, int] | None = None
+) -> dict[str, Any]:
+    evals = state.history
+    first, last = (evals[0], evals[-1]) if evals else ({}, {})
+    wall = max(state.wall_s, 1e-9)
+    return {
+        "run": str(config.run_dir),
+        "mode": config.mode,
+        "steps": state.step,
+        "steps_no_signal": state.steps_no_signal,
+        "minutes": round(state.wall_s / 60, 2),
+        "heldout_success_start": first.get("success_rate"),
+        "heldout_success_final": last.get("success_rate"),
+        "heldout_success_best": max((e["success_rate"] for e in evals), default=None),
+        "generated_tokens": state.generated_tokens,
+        "generated_tokens_per_s": state.generated_tokens / wall,
+        "trained_tokens_per_s": state.trained_tokens / wall,
+        "seconds_per_step": state.wall_s / max(state.step, 1),
+        "rollout_idle_ratio": idle_ratio(state.rollout_busy_s, state.rollout_slot_s),
+        "trainer_idle_ratio": idle_ratio(state.trainer_busy_s, wall),
+        "staleness_hist": dict(sorted(state.staleness_hist.items(), key=lambda kv: int(kv[0]))),
+        "reuse_hist": reuse_hist or {},
+        "role_changes": state.role_changes,
+        "role_change_s": state.role_change_s,
+        "tail_over_provisioned": state.tail_over_provisioned,
+        "tail_carried_over": state.tail_carried_over,
+        "tail_migrations": state.tail_migrations,
+        **headroom_summary(state.headroom),
+    }
+
+
+def headroom_summary(headroom: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The `eval.pass_at` figures, start then final ({} when not measured)."""
+    out: dict[str, Any] = {}
+    for when in ("start", "final"):
+        room = headroom.get(when)
+        if room:
+            k = room["samples_per_task"]
+            out[f"greedy_{when}"] = room["greedy_success"]
+            out[f"mean@{k}_{when}"] = room["sampled_success"]
+            out[f"pass@{k}_{when}"] = room["pass_at_k"]
+            out[f"headroom_{when}"] = room["headroom"]
+    return out
+
+
+def time_to_target(history: list[dict[str, Any]], target: float) -> float | None:
+    """Training seconds at the first evaluation reaching `target` held-out success (None: never)."""
+    return next((e["wall_s"] for e in history if e["success_rate"] >= target), None)

@@ -6,6 +6,10 @@ of the conversation and the text already held. When the template renders history
 is held (not a prefix), a new segment starts from the template's rendering; each segment is one
 training row. Statuses: ok, truncated (turn limit, token budget, a length-cut turn), timeout,
 env_error, infra_error (the engine failed: masked by the trainer, never scored 0).
+
+With `routes` (a rollout worker's `reflow.rollout.routing.Routes`) each episode generates through its
+own route, which the tail scheduler can point at another worker's engine mid-episode (a migration):
+the env and the record stay here, the record's `timings` count the migrations and re-prefilled tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from reflow.env import Env, EnvError, InfraError, Message, Task, parse_assistant
 from reflow.env.play import Policy
 from reflow.records import EpisodeRecord, Segment, TurnRecord
 from reflow.rollout.chat import ChatRenderer
+from reflow.rollout.routing import Routes
 
 
 @dataclass
@@ -48,11 +53,19 @@ class _Stop(Exception):
 class EpisodeRunner:
     """Plays episodes of any env with one engine; many episodes can run concurrently."""
 
-    def __init__(self, engine: Engine | None, tokenizer: Any, config: RolloutConfig | None = None) -> None:
-        """`engine` may be None when every episode is played by a demo policy."""
+    def __init__(
+        self,
+        engine: Engine | None,
+        tokenizer: Any,
+        config: RolloutConfig | None = None,
+        routes: Routes | None = None,
+    ) -> None:
+        """`engine` may be None when every episode is played by a demo policy; `routes`: generate each
+        episode through a migratable route (see the module docstring)."""
         self.engine = engine
         self.chat = ChatRenderer(tokenizer)
         self.config = config or RolloutConfig()
+        self.routes = routes
 
     async def run(
         self,
@@ -69,24 +82,36 @@ class EpisodeRunner:
         cfg = self.config
         start = time.monotonic()
         deadline = start + cfg.deadline_s if cfg.deadline_s else None
+        episode_id, group_id = uuid.uuid4().hex, group_id or uuid.uuid4().hex
+        route = None
+        if self.routes is not None and demo_policy is None and self.engine is not None:
+            route = self.routes.open(episode_id, group_id)
+        engine = route or self.engine
         rec = EpisodeRecord(
-            episode_id=uuid.uuid4().hex,
-            group_id=group_id or uuid.uuid4().hex,
+            episode_id=episode_id,
+            group_id=group_id,
             env_id=env.unwrapped.spec_id or type(env.unwrapped).__name__,
             task_id=None,
             task_hash="",
             seed=seed,
-            policy_version_start=self._version(),
+            policy_version_start=_version(engine),
             tokenizer_id=self.chat.tokenizer_id,
             chat_template_id=self.chat.chat_template_id,
         )
         timings = {"generation_s": 0.0, "env_s": 0.0}
         try:
-            await self._play(env, rec, task, seed, sampling or cfg.sampling, deadline, timings, demo_policy)
+            await self._play(
+                env, rec, task, seed, sampling or cfg.sampling, deadline, timings, demo_policy, engine
+            )
         except _Stop as stop:
             rec.status, rec.termination, rec.error = stop.status, stop.termination, stop.error
-        rec.policy_version_end = self._version()
+        finally:
+            if route is not None and self.routes is not None:
+                self.routes.close(route)
+        rec.policy_version_end = _version(engine)
         rec.timings = {**timings, "total_s": time.monotonic() - start}
+        if route is not None and route.counters["migrations"]:
+            rec.timings.update(route.counters)
         return rec
 
     async def _play(
@@ -99,6 +124,7 @@ class EpisodeRunner:
         deadline: float | None,
         timings: dict[str, float],
         demo_policy: Policy | None,
+        engine: Engine | None,
     ) -> None:
         cfg, chat = self.config, self.chat
         t0 = time.monotonic()
@@ -132,7 +158,7 @@ class EpisodeRunner:
             params = replace(sampling, max_new_tokens=max_new)
             t0 = time.monotonic()
             if demo_policy is None:
-                out = await self._generate(segment.token_ids, params, deadline)
+                out = await _generate(engine, segment.token_ids, params, deadline)
             else:
                 out = self._encode_demo(await _call(demo_policy, rec.messages, obs.tools), max_new)
             gen_s = time.monotonic() - t0
@@ -200,30 +226,32 @@ class EpisodeRunner:
             new_obs = list(step.messages)
         raise _Stop("truncated", "max_turns")
 
-    async def _generate(
-        self, ids: list[int], params: SamplingParams, deadline: float | None
-    ) -> GenerateResult:
-        if self.engine is None:
-            raise _Stop("infra_error", "no_engine", "this runner has no engine; pass a demo_policy")
-        request_id = uuid.uuid4().hex
-        timeout = None if deadline is None else deadline - time.monotonic()
-        if timeout is not None and timeout <= 0:
-            raise _Stop("timeout", "deadline")
-        try:
-            return await asyncio.wait_for(self.engine.generate(list(ids), params, request_id), timeout)
-        except asyncio.TimeoutError:
-            await self.engine.abort(request_id)
-            raise _Stop("timeout", "deadline", "the episode deadline passed during generation") from None
-        except Exception as e:
-            raise _Stop("infra_error", "engine_failed", f"{type(e).__name__}: {e}") from None
-
-    def _version(self) -> int:
-        return -1 if self.engine is None else self.engine.weight_version
-
     def _encode_demo(self, text: str, max_new: int) -> GenerateResult:
         ids = (self.chat.encode(text) + self.chat.eos_ids)[:max_new]
         finish = "stop" if len(ids) < max_new or ids[-1:] == self.chat.eos_ids else "length"
         return GenerateResult(ids, [0.0] * len(ids), finish, weight_version=-1, prompt_tokens=0)
+
+
+async def _generate(
+    engine: Engine | None, ids: list[int], params: SamplingParams, deadline: float | None
+) -> GenerateResult:
+    if engine is None:
+        raise _Stop("infra_error", "no_engine", "this runner has no engine; pass a demo_policy")
+    request_id = uuid.uuid4().hex
+    timeout = None if deadline is None else deadline - time.monotonic()
+    if timeout is not None and timeout <= 0:
+        raise _Stop("timeout", "deadline")
+    try:
+        return await asyncio.wait_for(engine.generate(list(ids), params, request_id), timeout)
+    except asyncio.TimeoutError:
+        await engine.abort(request_id)
+        raise _Stop("timeout", "deadline", "the episode deadline passed during generation") from None
+    except Exception as e:
+        raise _Stop("infra_error", "engine_failed", f"{type(e).__name__}: {e}") from None
+
+
+def _version(engine: Engine | None) -> int:
+    return -1 if engine is None else engine.weight_version
 
 
 async def _call(policy: Policy, messages: list[Message], tools: list[dict[str, Any]]) -> str:

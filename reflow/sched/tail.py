@@ -25,6 +25,9 @@ The actions and their rules (B = groups per train step):
   smallest c with tokens/s >= (1 - saturation_eps) * max; more sequences than that add latency,
   not throughput.
 
+`migrate: false` keeps every episode on its engine (only engines already empty are freed) and
+`set_concurrency: false` leaves the limits alone: ablations of those two actions.
+
 Predicted remaining time (`remaining_seconds`) is read off the completed-episode quantiles: an
 episode running s seconds has at least until the next quantile it has not reached (p50, p90, p99)
 to go; past p99 the tail is taken as Pareto, fitted to p90 and p99 (alpha = ln 10 / ln(p99/p90)),
@@ -64,6 +67,18 @@ class TailConfig:
     )
     carry_over: bool = field(
         default=True, metadata=_doc("continue unfinished groups into the next step once B are done")
+    )
+    migrate: bool = field(
+        default=True,
+        metadata=_doc(
+            "consolidate stragglers: migrate episodes to fewer engines (resubmit their token prefix)"
+        ),
+    )
+    set_concurrency: bool = field(
+        default=True,
+        metadata=_doc(
+            "set each engine's concurrency limit at the knee of its measured (concurrency, tokens/s) curve"
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -289,7 +304,7 @@ class TailPolicy:
     def _concurrency(self, obs: TailObservation) -> list[TailAction]:
         out: list[TailAction] = []
         for eng in obs.engines:
-            if eng.released or len(eng.curve) < 2:
+            if not self.cfg.set_concurrency or eng.released or len(eng.curve) < 2:
                 continue
             knee = concurrency_knee(eng.curve, self.cfg.saturation_eps)
             if knee != eng.max_running:
@@ -320,7 +335,7 @@ class TailPolicy:
         while room < total and keep < len(busy):
             room += busy[keep].max_running
             keep += 1
-        if keep == len(busy):
+        if keep == len(busy) or not self.cfg.migrate:
             return out
         if obs.prefill_tokens_per_s <= 0 or obs.episode_seconds is None:
             return out  # no way to price a migration: leave the tail where it is

@@ -17,11 +17,12 @@ from typing import Any
 import ray
 
 from reflow.config import RunConfig
-from reflow.engine import SamplingParams
+from reflow.engine import GenerateResult, SamplingParams
 from reflow.env import make
 from reflow.env.registration import load_env_plugin
 from reflow.records import EpisodeRecord
 from reflow.rollout.episode import EpisodeRunner, RolloutConfig, run_group
+from reflow.sched.worker_tail import WorkerTail, engine_name
 from reflow.train.advantages import group_advantages, has_spread, train_mask
 
 
@@ -39,6 +40,8 @@ class GroupReport:
     has_spread: bool
     seconds: float
     tool_latencies_ms: list[float] = field(default_factory=list)
+    episode_seconds: list[float] = field(default_factory=list)
+    """Each episode's duration (the tail scheduler's remaining-time estimate)."""
 
 
 def _threads(config: RunConfig) -> int:
@@ -85,11 +88,13 @@ def report_group(records: list[EpisodeRecord], seconds: float) -> GroupReport:
         has_spread=has_spread(rewards, mask=train_mask([r.status for r in records])),
         seconds=seconds,
         tool_latencies_ms=latencies,
+        episode_seconds=[float(r.timings.get("total_s", 0.0)) for r in records],
     )
 
 
 class RolloutWorker:
-    """An inference engine plus env instances on one device slot (an async Ray actor)."""
+    """An inference engine plus env instances on one device slot (an async Ray actor). Its episodes
+    generate through migratable routes over its engine behind a concurrency limit (`WorkerTail`)."""
 
     def __init__(self, config: RunConfig, model_path: str, replay: Any, index: int = 0) -> None:
         import torch
@@ -101,8 +106,9 @@ class RolloutWorker:
         self._load_plugins()
         self.engine, self.tokenizer = build_engine(config, model_path, index)
         r = config.rollout
+        self.tail = WorkerTail(self.engine, engine_name(index), r.max_batch_size, self._decode)
         self.runner = EpisodeRunner(
-            self.engine,
+            self.tail.limited,
             self.tokenizer,
             RolloutConfig(
                 sampling=_sampling(config),
@@ -111,7 +117,11 @@ class RolloutWorker:
                 deadline_s=r.episode_deadline_s,
                 max_turns=r.max_turns,
             ),
+            routes=self.tail.routes,
         )
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def _make_env(self) -> Any:
         return make(self.config.env.id, **self.config.env.kwargs)
@@ -124,6 +134,7 @@ class RolloutWorker:
         """One group per task seed, all in flight together; each is durable in the store on return.
         `group_ids` name groups registered in flight beforehand (admission control)."""
         adv_scale = self.config.train.advantage_scale
+        self.tail.start_sampling()
 
         async def one(seed: int, group_id: str | None) -> GroupReport:
             start = time.monotonic()
@@ -144,6 +155,28 @@ class RolloutWorker:
 
         ids = group_ids or [None] * len(seeds)
         return list(await asyncio.gather(*(one(s, g) for s, g in zip(seeds, ids, strict=True))))
+
+    # -- the tail scheduler's calls (`reflow.sched.worker_tail`) ------------------------------------------
+
+    async def progress(self) -> dict[str, Any]:
+        """Episodes in flight, the engine's limit, curve and prefill rate, migrations measured."""
+        return await self.tail.progress()
+
+    async def migrate(self, episode: str, target: Any, target_name: str) -> dict[str, Any]:
+        """Move one of this worker's episodes to `target_name`'s engine (`target`: its actor handle)."""
+        return await self.tail.migrate(episode, target, target_name)
+
+    async def set_concurrency(self, limit: int) -> int:
+        return await self.tail.set_concurrency(limit)
+
+    async def engine_generate(
+        self, input_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> GenerateResult:
+        """Generate for an episode another worker migrated here (under this worker's limit)."""
+        return await self.tail.engine_generate(input_ids, params, request_id)
+
+    async def engine_abort(self, request_id: str) -> None:
+        await self.tail.engine_abort(request_id)
 
     async def update_weights(self, state_dict: dict[str, Any], version: int, rewind: bool = False) -> int:
         """Load the policy of `version` into the engine; returns the version the engine confirms. An older

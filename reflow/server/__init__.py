@@ -9,7 +9,8 @@ delete, env list, capacity, health), and `RemoteEnv` makes a served env look lik
 - `settings`: the server's limits and its token.
 - `sessions`: the session manager (limits, step cache, deadlines, idle reaper, shutdown).
 - `auth`, `app`, `routes/`: the FastAPI application (FastAPI and uvicorn are the `server` extra).
-- `client`: `RemoteEnv` (httpx only: it imports without FastAPI or uvicorn).
+- `client`, `transports`: `RemoteEnv` over one WebSocket per env (`/v1/ws`, `websockets`) or HTTP
+  (httpx); it imports without FastAPI or uvicorn.
 - `cli`: `reflow serve-envs`.
 
 It imports `reflow.env` and `reflow.sandbox` only, so it runs on a machine with no torch at all.

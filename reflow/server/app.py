@@ -29,7 +29,7 @@ from reflow.env import make
 from reflow.env.registration import spec_kwargs
 from reflow.server import openenv_ws
 from reflow.server.auth import OPEN_PATHS, SECURITY_SCHEME, TokenGate
-from reflow.server.routes import capacity, envs, error_response, health, sessions
+from reflow.server.routes import capacity, envs, error_response, health, sessions, ws
 from reflow.server.schemas import ApiError, StepRequest
 from reflow.server.sessions import SessionManager, served_env_ids
 from reflow.server.settings import ServerSettings
@@ -126,7 +126,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     )
     app.state.settings = settings
 
-    for module in (health, sessions, envs, capacity):
+    for module in (health, sessions, envs, capacity, ws):  # ws: the session protocol over one WebSocket
         app.include_router(module.router)
     app.include_router(openenv_ws.router)  # OpenEnv's /ws protocol beside ours, under /openenv/<env id>
 

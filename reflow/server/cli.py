@@ -136,7 +136,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="serve every registered env over HTTP (needs the server extra)",
         description=(
             "Serve the registered envs with the session protocol (POST /v1/sessions, .../step, GET/DELETE "
-            f"/v1/sessions/ID, /v1/envs, /v1/capacity, /healthz) and, for OpenEnv clients, OpenEnv's /ws "
+            f"/v1/sessions/ID, /v1/envs, /v1/capacity, /healthz; the same messages as frames on one "
+            "WebSocket, /v1/ws, which RemoteEnv uses) and, for OpenEnv clients, OpenEnv's /ws "
             "protocol under /openenv/ENV_ID. Auth: a bearer token from --token-file or "
             f"${TOKEN_ENV_VAR}; without one it refuses to start unless --no-auth is given, and --no-auth "
             "works only on a loopback host. Binds to 127.0.0.1 unless --host says otherwise."

@@ -3,38 +3,37 @@
 `reflow.make("reflow/Remote-v0", url=..., env_id="reflow/Calc-v0")` gives it the standard wrappers, so
 it plays in `play_episode` and the episode runner unchanged. Each `reset` is a new server session.
 
+- Transport (`transports`): one WebSocket (`/v1/ws`) for all the env's requests by default, falling
+  back to HTTP when the server has no such route or `websockets` is not installed; `transport="http"`
+  asks for HTTP. The requests and answers are the same either way.
 - Tool calls are parsed here (`parse_assistant` with this env's `tools`, which carry the server's
   schemas and check names and required arguments) and the parsed turn is sent; the server checks
   every call again against its own tools and never re-parses `raw_text`.
-- Retries: a step is retried on connection errors, 429 and 503 with the same turn index, which the
-  server answers from its store if the step already ran, so nothing runs twice. A session create is
-  retried only when the request surely did not arrive (connect errors) or was refused (429, 503).
+- Retries: a step is retried when its request did not arrive or its answer was lost, and on 429 and
+  503, with the same turn index, which the server answers from its store if the step already ran, so
+  nothing runs twice. A session create is retried only when the request surely did not arrive
+  (connect errors) or was refused (429, 503).
 - When the server stays unreachable, `InfraError` (ContainErrors and the episode runner mark the
   episode infra_error); a session closed for its deadline ends the episode as "timeout".
 - The scripted policy (`demo`), `pick_task` and `generate_task` use a local copy of the env when the
   same id is registered here; a seeded task the local copy picks is used only if its hash matches.
 
-This module needs httpx only (not FastAPI or uvicorn).
+This module needs httpx (and websockets for the WebSocket), not FastAPI or uvicorn.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import random
-import ssl
-from dataclasses import asdict
-from functools import cache
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from reflow.env import (
     AssistantTurn,
     Env,
-    EnvError,
     InfraError,
     Message,
     Observation,
@@ -44,24 +43,24 @@ from reflow.env import (
     Task,
     task_hash,
 )
+from reflow.server.transports import (
+    Answer,
+    HttpTransport,
+    Lost,
+    NoWsRoute,
+    ServerError,
+    Unsent,
+    WsTransport,
+    route,
+    websockets_installed,
+)
+
+__all__ = ["TOKEN_ENV_VAR", "TRANSPORTS", "URL_ENV_VAR", "RemoteEnv", "ServerError"]
+log = logging.getLogger(__name__)
 
 URL_ENV_VAR = "REFLOW_ENV_SERVER_URL"
 TOKEN_ENV_VAR = "REFLOW_SERVER_TOKEN"
-_CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
-_TRANSPORT_ERRORS = (httpx.TransportError,)
-
-
-class ServerError(RuntimeError):
-    """The server refused a request for a reason other than infrastructure (auth, a bad request)."""
-
-    def __init__(self, status: int, kind: str, code: str, message: str) -> None:
-        super().__init__(f"env server answered {status} {code} ({kind}): {message}")
-        self.status, self.kind, self.code, self.message = status, kind, code, message
-
-
-@cache
-def _ssl_context() -> ssl.SSLContext:
-    return ssl.create_default_context()  # ~40 ms: made once, not once per env
+TRANSPORTS = ("auto", "ws", "http")
 
 
 class RemoteEnv(Env):
@@ -79,14 +78,20 @@ class RemoteEnv(Env):
         request_timeout_s: float = 120.0,
         retries: int = 5,
         backoff_s: float = 0.1,
+        transport: str = "auto",
         tasks: Any = None,
     ) -> None:
         """`url` (else $REFLOW_ENV_SERVER_URL) and `env_id` say what to play; the token comes from
         `token`, `token_file` or $REFLOW_SERVER_TOKEN. `session_deadline_s` asks the server for a
-        session deadline (sandbox start included); `retries` bounds the retries of one request."""
+        session deadline (sandbox start included); `retries` bounds the retries of one request;
+        `transport` is "auto" (the WebSocket where the server has it, else HTTP), "ws" or "http"."""
         super().__init__(None)
         if tasks is not None:
             raise ValueError("a remote env takes tasks on reset(task=...), not a tasks file")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
+        if transport == "ws" and not websockets_installed():
+            raise ImportError("RemoteEnv(transport='ws') needs websockets (pip install websockets)")
         self.url = (url or os.environ.get(URL_ENV_VAR, "")).rstrip("/")
         self.remote_id = env_id
         if token is None and token_file is not None:
@@ -95,12 +100,12 @@ class RemoteEnv(Env):
         self.env_kwargs = dict(env_kwargs or {})
         self.session_deadline_s = session_deadline_s
         self.request_timeout_s, self.retries, self.backoff_s = request_timeout_s, retries, backoff_s
+        self.transport_kind = transport
+        self.transport: HttpTransport | WsTransport | None = None
         self.session_id: str | None = None
         self.turn_index = 0
         self.done = False
         self.registry_id: str | None = None
-        self._client: httpx.AsyncClient | None = None
-        self._client_loop: asyncio.AbstractEventLoop | None = None
         self._local_env: Env | None = None
 
     # Records name the served env (reflow/Calc-v0), not the proxy; the registry id is kept aside.
@@ -116,6 +121,8 @@ class RemoteEnv(Env):
     async def reset(self, *, task: Task | None = None, seed: int | None = None) -> Observation:
         if not self.url or not self.remote_id:
             raise ValueError("RemoteEnv needs url= (or $REFLOW_ENV_SERVER_URL) and env_id=")
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"RemoteEnv's url must start with http:// or https://; got {self.url!r}")
         await self._delete_session()
         self.rng = random.Random(seed)
         body: dict[str, Any] = {"env_id": self.remote_id, "task": task, "seed": seed}
@@ -123,7 +130,7 @@ class RemoteEnv(Env):
             body["deadline_s"] = self.session_deadline_s
         if self.env_kwargs:
             body["env_kwargs"] = self.env_kwargs
-        data = await self._request("POST", "/v1/sessions", body, retry_transport=False)
+        data = await self._request("create", None, body, idempotent=False)
         self.session_id, self.turn_index, self.done = data["session_id"], 0, False
         obs = data["observation"]
         self.tools = [SchemaTool.from_openai(s, forbid_extra=True) for s in obs["tools"]]
@@ -133,9 +140,10 @@ class RemoteEnv(Env):
     async def step(self, turn: AssistantTurn) -> StepResult:
         if self.session_id is None or self.done:
             raise ResetNeeded(f"step() on {self!r} needs a live session; call reset() first")
-        path = f"/v1/sessions/{self.session_id}/step"
         try:
-            data = await self._request("POST", path, {"turn_index": self.turn_index, "turn": asdict(turn)})
+            data = await self._request(
+                "step", self.session_id, {"turn_index": self.turn_index, "turn": wire_turn(turn)}
+            )
         except ServerError as e:
             if e.code == "session_expired":  # the server's deadline for this session passed
                 self.done = True
@@ -153,9 +161,9 @@ class RemoteEnv(Env):
         try:
             await self._delete_session()
         finally:
-            client, self._client = self._client, None
-            if client is not None and self._client_loop is _running_loop():
-                await client.aclose()
+            transport, self.transport = self.transport, None
+            if transport is not None:
+                await transport.aclose()
 
     # ---- scripted policy and tasks through a local copy ----------------------------------------------
     def _local(self) -> Env | None:
@@ -202,43 +210,52 @@ class RemoteEnv(Env):
     def __repr__(self) -> str:
         return f"<RemoteEnv {self.remote_id or '?'} at {self.url or '?'}>"
 
-    # ---- HTTP ----------------------------------------------------------------------------------------
-    def client(self) -> httpx.AsyncClient:
-        loop = _running_loop()
-        if self._client is None or self._client_loop is not loop:  # a client is bound to its loop
-            headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-            self._client = httpx.AsyncClient(
-                base_url=self.url,
-                headers=headers,
-                timeout=httpx.Timeout(self.request_timeout_s, connect=10.0),
-                verify=_ssl_context() if self.url.startswith("https") else False,
-                limits=httpx.Limits(max_connections=4, max_keepalive_connections=1),
-            )
-            self._client_loop = loop
-        return self._client
+    # ---- the wire ----------------------------------------------------------------------------------
+    def _transport(self) -> HttpTransport | WsTransport:
+        if self.transport is None:
+            use_ws = self.transport_kind == "ws" or (self.transport_kind == "auto" and websockets_installed())
+            kind = WsTransport if use_ws else HttpTransport
+            self.transport = kind(self.url, self.token, self.request_timeout_s)
+        return self.transport
+
+    async def _send(
+        self, op: str, session_id: str | None, body: dict[str, Any] | None, timeout_s: float | None = None
+    ) -> Answer:
+        try:
+            return await self._transport().send(op, session_id, body, timeout_s)
+        except NoWsRoute as e:
+            if self.transport_kind == "ws":
+                raise InfraError(f"{self!r}: the server does not serve the WebSocket protocol: {e}") from e
+            log.info("%r: %s; using HTTP", self, e)
+            self.transport = HttpTransport(self.url, self.token, self.request_timeout_s)
+            return await self.transport.send(op, session_id, body, timeout_s)
 
     async def _request(
-        self, method: str, path: str, body: dict[str, Any] | None = None, *, retry_transport: bool = True
+        self, op: str, session_id: str | None, body: dict[str, Any] | None, *, idempotent: bool = True
     ) -> dict[str, Any]:
         """Send one request with retries; errors become InfraError, EnvError or ServerError."""
-        retryable = _TRANSPORT_ERRORS if retry_transport else _CONNECT_ERRORS
         last: Exception | None = None
         for attempt in range(self.retries + 1):
             if attempt:
                 await asyncio.sleep(self._backoff(attempt, last))
             try:
-                response = await self.client().request(method, path, json=body)
-            except retryable as e:
+                answer = await self._send(op, session_id, body)
+            except Unsent as e:
                 last = e
                 continue
-            except httpx.TransportError as e:
+            except Lost as e:
+                if idempotent:
+                    last = e
+                    continue
+                method, path = route(op, session_id)
                 raise InfraError(f"{self!r}: {method} {path} failed: {type(e).__name__}: {e}") from e
-            if response.status_code in (429, 503):
-                last = _error_of(response)
+            if answer.status in (429, 503):
+                last = answer.error()
                 continue
-            if response.status_code >= 400:
-                raise _error_of(response)
-            return response.json()
+            if answer.status >= 400 or not isinstance(answer.body, dict):
+                raise answer.error()
+            return answer.body
+        method, path = route(op, session_id)
         raise InfraError(
             f"{self!r}: the env server did not answer {method} {path} after {self.retries + 1} tries: "
             f"{type(last).__name__}: {last}"
@@ -252,11 +269,28 @@ class RemoteEnv(Env):
     async def _delete_session(self) -> None:
         session_id, self.session_id = self.session_id, None
         # A finished session needs no delete: its env was released when the episode ended, and the
-        # server forgets the record on its own (one request less per episode).
-        if session_id is None or self.done or self._client_loop is not _running_loop():
+        # server forgets the record on its own (one request less per episode). A transport bound to
+        # another (maybe closed) loop cannot send it.
+        transport = self.transport
+        if session_id is None or self.done or transport is None or transport.loop is not _running_loop():
             return
-        with contextlib.suppress(httpx.HTTPError):  # the server's reaper closes what a lost delete leaves
-            await self.client().delete(f"/v1/sessions/{session_id}", timeout=5.0)
+        with contextlib.suppress(Unsent, Lost, InfraError):  # the reaper closes what a lost delete leaves
+            await self._send("delete", session_id, None, timeout_s=5.0)
+
+
+def wire_turn(turn: AssistantTurn) -> dict[str, Any]:
+    """A turn as the step request's `turn` (what `dataclasses.asdict` gives, without its deep copy)."""
+    calls = [
+        {"name": c.name, "arguments": c.arguments, "raw": c.raw, "id": c.id, "parse_error": c.parse_error}
+        for c in turn.tool_calls
+    ]
+    return {
+        "content": turn.content,
+        "tool_calls": calls,
+        "reasoning": turn.reasoning,
+        "finish_reason": turn.finish_reason,
+        "raw_text": turn.raw_text,
+    }
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -264,20 +298,3 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
-
-
-def _error_of(response: httpx.Response) -> Exception:
-    try:
-        data = response.json()
-        kind, code, message = data["error_kind"], data["code"], data["message"]
-    except Exception:
-        kind, code, message = "infra", "bad_response", response.text[:300]
-    if kind == "infra":
-        error: Exception = InfraError(f"env server answered {response.status_code} {code}: {message}")
-    elif kind == "env":
-        error = EnvError(f"env server answered {response.status_code} {code}: {message}")
-    else:
-        error = ServerError(response.status_code, kind, code, message)
-    retry_after = response.headers.get("Retry-After", "")
-    error.retry_after = float(retry_after) if retry_after.replace(".", "", 1).isdigit() else None  # type: ignore[attr-defined]
-    return error

@@ -128,9 +128,15 @@ class PolicyTrainer:
 
     def train_step(self, rows: Sequence[TrainRow], step: int | None = None) -> dict[str, float]:
         """`minibatches` x `epochs` optimizer steps on `rows` (this rank's share; one by default).
-        Returns loss and IS-health metrics, token-weighted over all the updates."""
+        Returns loss and IS-health metrics, token-weighted over all the updates. With no sampled token
+        on any rank it changes nothing (weights, optimizer state, step and version stay) and returns
+        `updates` 0."""
         start = time.monotonic()
         rows = [r for r in rows if r.segment.n_sampled > 0]
+        if not self._all_reduce(float(len(rows))):
+            # No rank has a sampled token: an update would be all zero gradients, yet AdamW's momentum
+            # and weight decay would still move the weights. Nothing is trained and the version stays.
+            return {"trained_tokens": 0.0, "rows": 0.0, "updates": 0.0, "train_s": time.monotonic() - start}
         plan = [self._micro_batches(mb) for mb in self._split_minibatches(rows)]
         updates = len(plan) * self.cfg.epochs
         # Later updates need the log-probs of the weights before the first one (prox); a single update

@@ -1,4 +1,5 @@
-"""HTTP routes of the env server, one module per resource (sessions, envs, capacity, health)."""
+"""Routes of the env server, one module per resource (sessions, envs, capacity, health), and `ws`: the
+session protocol over one WebSocket per client."""
 
 from __future__ import annotations
 
@@ -57,6 +58,15 @@ def json_response(data: Any, status_code: int = 200) -> Response:
 def raw_json(text: str, status_code: int = 200) -> Response:
     """JSON text already encoded (stored step results are spliced in as they are)."""
     return Response(text, status_code=status_code, media_type="application/json")
+
+
+def validation_message(problems: list[Any], prefix: str = "") -> str:
+    """Pydantic's errors as one line: `where: what; ...` (the first five)."""
+    parts = []
+    for err in problems[:5]:
+        where = ".".join(str(p) for p in (prefix, *err.get("loc", ())) if p != "") or "body"
+        parts.append(f"{where}: {err.get('msg', '')}")
+    return "; ".join(parts) or "invalid request"
 
 
 def error_response(

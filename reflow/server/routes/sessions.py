@@ -46,6 +46,29 @@ async def read_body(request: Request, model: type[M]) -> M:
         raise RequestValidationError(e.errors(include_url=False, include_context=False)) from None
 
 
+async def create_text(manager: SessionManager, body: CreateSession) -> str:
+    """Create a session; its `SessionCreated` body as JSON text (the observation spliced in as it is)."""
+    session, observation = await manager.create(body)
+    described = json.dumps(manager.describe(session))
+    return f'{described[:-1]}, "observation": {observation}}}'
+
+
+async def step_text(manager: SessionManager, session_id: str, body: StepRequest) -> str:
+    """Play one step; its `StepResponse` body as JSON text. Shared with the WebSocket route (`ws`)."""
+    result, replayed = await manager.step(
+        session_id, body.turn_index, body.turn.model_dump(), body.turn.to_turn()
+    )
+    state = manager.sessions[session_id].state if session_id in manager.sessions else "closed"
+    head = json.dumps(
+        {"session_id": session_id, "turn_index": body.turn_index, "state": state, "replayed": replayed}
+    )
+    return f'{head[:-1]}, "result": {result}}}'
+
+
+def deleted(session_id: str, reason: str) -> dict[str, str]:
+    return {"session_id": session_id, "state": "closed", "reason": reason}
+
+
 def body_schema(model: type[BaseModel]) -> dict[str, Any]:
     ref = {"$ref": f"#/components/schemas/{model.__name__}"}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
@@ -60,10 +83,7 @@ def body_schema(model: type[BaseModel]) -> dict[str, Any]:
     operation_id="create_session",
 )
 async def create_session(body: CreateSession, request: Request) -> Response:
-    manager = _manager(request)
-    session, observation = await manager.create(body)
-    described = json.dumps(manager.describe(session))
-    return raw_json(f'{described[:-1]}, "observation": {observation}}}', 201)
+    return raw_json(await create_text(_manager(request), body), 201)
 
 
 @router.post(
@@ -75,16 +95,7 @@ async def create_session(body: CreateSession, request: Request) -> Response:
     operation_id="step_session",
 )
 async def step_session(request: Request, session_id: str = SessionId) -> Response:
-    body = await read_body(request, StepRequest)
-    manager = _manager(request)
-    result, replayed = await manager.step(
-        session_id, body.turn_index, body.turn.model_dump(), body.turn.to_turn()
-    )
-    state = manager.sessions[session_id].state if session_id in manager.sessions else "closed"
-    head = json.dumps(
-        {"session_id": session_id, "turn_index": body.turn_index, "state": state, "replayed": replayed}
-    )
-    return raw_json(f'{head[:-1]}, "result": {result}}}')
+    return raw_json(await step_text(_manager(request), session_id, await read_body(request, StepRequest)))
 
 
 @router.get(
@@ -107,5 +118,4 @@ async def get_session(request: Request, session_id: str = SessionId) -> Response
     operation_id="delete_session",
 )
 async def delete_session(request: Request, session_id: str = SessionId) -> Response:
-    reason = await _manager(request).delete(session_id)
-    return json_response({"session_id": session_id, "state": "closed", "reason": reason})
+    return json_response(deleted(session_id, await _manager(request).delete(session_id)))

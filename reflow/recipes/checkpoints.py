@@ -1,0 +1,51 @@
+"""Checkpoints and resume: what a checkpoint saves besides the trainer (the run state, the replay cursor)
+and how a resumed run brings the replay store back to it (consumptions undone, leftover groups).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import ray
+
+from reflow.config import RunConfig
+from reflow.recipes.run_state import RunState
+from reflow.sched.pool import ResourcePool
+from reflow.sched.workers import GroupReport, report_group
+
+
+def checkpoint(pool: ResourcePool, config: RunConfig, state: RunState) -> None:
+    """Save the trainer and the run state at `state.step`. Call it only once every step up to
+    `state.step` is trained: a resume keeps the store's consumptions of steps <= the checkpoint's
+    and undoes the later ones (`rewind_replay`)."""
+    run_state = asdict(state)
+    # snapshot weights live in Ray's object store: a resumed run cannot evaluate pre-crash snapshots
+    run_state["snapshots"] = [{k: v for k, v in p.items() if k != "weights"} for p in state.snapshots]
+    extra = {"run_state": run_state}
+    root = str(config.run_dir / "checkpoints")
+    pool.save_checkpoint(root, extra, config.train.keep_checkpoints)
+    ray.get(pool.replay.set_cursor.remote("run_state", {"step": state.step, "next_seed": state.next_seed}))
+
+
+def rewind_replay(pool: ResourcePool, state: RunState) -> int:
+    """Bring the replay store back to the restored run state (a resume). Consumption is part of the
+    checkpointed state: the steps after the checkpoint (every step, when there was none) never reached
+    the restored weights, so the groups they consumed are handed out again (`rollback_consumption`).
+    Task seeds continue past every stored group's: the groups generated after the checkpoint are
+    fresh again, and a new group on the same task would weigh that task twice (harmless for
+    correctness, a skew all the same). Returns the number of consumptions undone."""
+    undone = ray.get(pool.replay.rollback_consumption.remote(state.step))
+    last_seed = ray.get(pool.replay.max_meta.remote("seed"))
+    if last_seed is not None:
+        state.next_seed = max(state.next_seed, int(last_seed) + 1)
+    return undone
+
+
+def leftover_groups(pool: ResourcePool, state: RunState) -> list[GroupReport]:
+    """Fresh groups generated with the current weights (a resume: stored after the checkpoint, or
+    consumed by steps it never saw), in arrival order, zero-spread ones included (the step that
+    trains the others retires them): sync mode trains on those before generating more. Fresh groups
+    of other versions were generated with weights lost in the crash (or are spares of an older
+    step): sync trains only on groups of the current weights, so they stay in the store untrained."""
+    stored = [g for g in ray.get(pool.replay.fresh.remote()) if g.policy_version == state.version]
+    return [report_group(g.episodes, 0.0) for g in stored]

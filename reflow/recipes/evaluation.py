@@ -1,0 +1,98 @@
+"""Held-out evaluation during a run: live points, deferred weight snapshots evaluated after the run, the
+wall-clock or step schedule that says when, and the start/end RL-headroom measurement (`eval.pass_at`).
+Its time counts as evaluation (`RunState.eval_s`), not training.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+
+from reflow.config import RunConfig
+from reflow.recipes.run_log import RunLog
+from reflow.recipes.run_state import Clock, RunState
+from reflow.rollout.collect import EVAL_SEED_BASE
+from reflow.sched.eval_schedule import EvalSchedule
+from reflow.sched.pool import ResourcePool
+
+
+def evaluate(pool: ResourcePool, config: RunConfig, log: RunLog, state: RunState, clock: Clock) -> None:
+    """Held-out success now (greedy, or sampled per `eval.temperature`), or (eval.deferred) a weight
+    snapshot evaluated after the run."""
+    if not config.eval.episodes:
+        return
+    point = {
+        "step": state.step,
+        "version": state.version,
+        "wall_s": clock.tick(),
+        "generated_tokens": state.generated_tokens,
+    }
+    start = time.monotonic()
+    if config.eval.deferred:
+        point["weights"] = pool.state_dict_ref()
+        ray.wait([point["weights"]])
+        state.snapshots.append(point)
+    else:
+        _evaluate_point(pool, config, log, state, point)
+    state.eval_s += time.monotonic() - start
+
+
+def eval_due(config: RunConfig, state: RunState) -> bool:
+    """Whether the loop takes an evaluation point now (after a step, `state.wall_s` ticked): with
+    `eval.every_s`, on the wall-clock grid after the run's last point (`EvalSchedule`; the points are
+    in the run state, so a resumed run carries on the same grid), else every `eval.every` steps."""
+    if config.eval.every_s is not None:
+        last_s = max((p["wall_s"] for p in state.history + state.snapshots), default=0.0)
+        return EvalSchedule(config.eval.every_s, after_s=last_s).due(state.wall_s)
+    return bool(config.eval.every) and state.step % config.eval.every == 0
+
+
+def measure_headroom(pool: ResourcePool, config: RunConfig, log: RunLog, state: RunState, when: str) -> None:
+    """With `eval.pass_at` = k > 0: greedy success, mean@k sampled success, pass@k and the RL headroom
+    on `eval.end_episodes` held-out tasks (`RolloutWorker.headroom`), kept as `state.headroom[when]`
+    for the run summary. Live, whatever `eval.deferred` says: a start-and-end figure is no curve. Its
+    time counts as evaluation, not training."""
+    if not config.eval.pass_at or not config.eval.episodes:
+        return
+    start = time.monotonic()
+    ev = config.eval
+    result = ray.get(pool.rollout[0].headroom.remote(ev.end_episodes, EVAL_SEED_BASE, ev.pass_at))
+    state.eval_s += time.monotonic() - start
+    state.headroom[when] = {"step": state.step, **result}
+    log.write("headroom", {"when": when, **state.headroom[when]})
+    k = result["samples_per_task"]
+    log.console.print(
+        f"held-out ({when}, {result['tasks']} tasks): greedy {result['greedy_success']:.1%}, "
+        f"mean@{k} {result['sampled_success']:.1%}, pass@{k} {result['pass_at_k']:.1%}, "
+        f"RL headroom {result['headroom']:.1%} ({result['seconds']:.0f}s)"
+    )
+
+
+def _evaluate_point(
+    pool: ResourcePool, config: RunConfig, log: RunLog, state: RunState, point: dict[str, Any]
+) -> None:
+    result = pool.evaluate(config.eval.episodes, EVAL_SEED_BASE)
+    record = {
+        **{k: v for k, v in point.items() if k != "weights"},
+        "success_rate": result["success_rate"],
+        "reward_mean": result["reward_mean"],
+        "episodes": result["episodes"],
+        "samples": result["samples"],
+        "temperature": result["temperature"],
+        "eval_s": result["seconds"],
+    }
+    state.history.append(record)
+    log.eval(record)
+
+
+def evaluate_snapshots(pool: ResourcePool, config: RunConfig, log: RunLog, state: RunState) -> None:
+    """Deferred evaluation: load each snapshot into engine 0, evaluate it, restore nothing (the run is
+    over)."""
+    for point in state.snapshots:
+        if "weights" not in point:  # taken before a resume: its weights are gone with that Ray session
+            continue
+        ray.get(pool.rollout[0].update_weights.remote(point["weights"], point["version"], rewind=True))
+        _evaluate_point(pool, config, log, state, point)
+    state.snapshots = [{k: v for k, v in p.items() if k != "weights"} for p in state.snapshots]

@@ -1,0 +1,233 @@
+"""The tail scheduler's runtime on Ray (issue F7 point 3): it shows the tail policy the episodes in
+flight and applies its `Migrate`, `FreeSlot` and `SetConcurrency` on the rollout workers.
+
+- `poll`: every `POLL_S` at most, each rollout worker's `progress()` (its episodes with their turns,
+  context tokens and seconds, the engine each generates on now, its concurrency limit and measured
+  curve, its prefill rate, the migrations it measured): a snapshot. Groups started since and not yet
+  seen are placeholders until the next (one entry per episode, on their worker, priced at the whole
+  context budget: a prefix not known yet is not worth moving).
+- `observe`: the policy's episodes and engines from the snapshot, with the migrations applied since,
+  and each engine's load in sequences (its groups' episodes, minus those migrated away, plus those
+  migrated to it): the loop starts groups where the load leaves room under the engine's limit.
+- `migrate`: asks the episode's worker to move its generation (`RolloutWorker.migrate`: abort on the
+  source, resubmit the exact token prefix on the target); the event comes when the worker has
+  measured it (re-prefilled tokens, handoff and first-token seconds, outcome), with the policy's
+  reason and its predicted re-prefill seconds beside it.
+- `free`: a `FreeSlot` for the next batch marks the engine released (the policy leaves it alone; the
+  loop may start the next batch's groups on it) until a new batch starts; one for the trainer is the
+  elastic pool's business (it decides role changes at version boundaries): not applied here.
+- `set_concurrency`: `RolloutWorker.set_concurrency`; the limit the worker applied counts at once.
+
+Engines are named by slot index (`engine_name`), so names survive the elastic pool's re-numbering of
+rollout positions; an episode on an engine that left is counted on its own worker's (its route falls
+back there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from reflow.sched.tail import FreeSlot, InFlightEpisode, Migrate, SetConcurrency
+from reflow.sched.worker_tail import engine_name
+
+POLL_S = 0.25
+"""Seconds between two looks at the workers' progress (the loop also wakes this often in a tail)."""
+PROGRESS_TIMEOUT_S = 30.0
+"""A worker that does not answer `progress()` in this long is left out of that snapshot."""
+
+
+@dataclass
+class Snapshot:
+    at: float
+    episodes: list[dict[str, Any]] = field(default_factory=list)
+    limits: dict[str, int] = field(default_factory=dict)
+    curves: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    prefill_tokens_per_s: float = 0.0
+
+
+def is_placeholder(episode: str) -> bool:
+    """Whether an episode id is a placeholder for one not reported yet (`TailRuntime.observe`)."""
+    return "#" in episode
+
+
+class TailRuntime:
+    """See the module docstring. `group_size`: episodes per group; `limit`: a worker's concurrency
+    limit (sequences) until its first report; `unknown_tokens`: a placeholder's context tokens."""
+
+    def __init__(
+        self, pool: Any, group_size: int, limit: int, unknown_tokens: int = 4096, poll_s: float = POLL_S
+    ) -> None:
+        self.pool, self.group_size, self.limit, self.poll_s = pool, group_size, limit, poll_s
+        self.unknown_tokens = unknown_tokens
+        self.snapshot: Snapshot | None = None
+        self.seen: set[str] = set()  # groups whose episodes a snapshot listed
+        self.moved: dict[str, str] = {}  # episode -> engine it moved to since the snapshot
+        self.owner: dict[str, str] = {}  # episode -> the engine of the worker that runs it
+        self.decided: dict[str, tuple[Migrate, float | None]] = {}  # applied, unmeasured; predicted s
+        self.limits: dict[str, int] = {}
+        self.released: set[str] = set()
+
+    def engine_ids(self) -> list[str]:
+        """Engine names by rollout position."""
+        return [engine_name(s.index) for s in self.pool.rollout_slots]
+
+    # -- looking -----------------------------------------------------------------------------------------
+
+    def poll(self, now: float, force: bool = False) -> list[dict[str, Any]]:
+        """A new snapshot when `POLL_S` passed (or `force`); the events of migrations measured since."""
+        if not force and self.snapshot is not None and now - self.snapshot.at < self.poll_s:
+            return []
+        snap, events = Snapshot(now), []
+        refs = [w.progress.remote() for w in self.pool.rollout]
+        rates = []
+        for ref in refs:
+            try:
+                report = ray.get(ref, timeout=PROGRESS_TIMEOUT_S)
+            except Exception:  # a worker gone (a role change) or stuck: left out of this snapshot
+                continue
+            name = report["engine"]
+            snap.limits[name] = int(report["limit"])
+            snap.curves[name] = tuple((int(c), float(t)) for c, t in report["curve"])
+            snap.episodes += report["episodes"]
+            if report["prefill_tokens_per_s"] > 0:
+                rates.append(float(report["prefill_tokens_per_s"]))
+            events += [self._measured(m) for m in report["migrations"]]
+        snap.prefill_tokens_per_s = min(rates) if rates else 0.0  # the slowest: a move that pays there pays
+        self.snapshot, self.moved, self.limits = snap, {}, {}
+        self.seen |= {ep["group"] for ep in snap.episodes}
+        self.owner = {ep["id"]: ep["owner"] for ep in snap.episodes}
+        return events
+
+    def observe(
+        self, in_flight: Sequence[Any], now: float
+    ) -> tuple[tuple[InFlightEpisode, ...], list[int], list[int]]:
+        """(the episodes in flight, each rollout position's load in sequences, its limit) from the
+        snapshot; `in_flight`: the loop's `GroupInFlight`s."""
+        ids = self.engine_ids()
+        snap = self.snapshot or Snapshot(now)
+        live = {g.group_id for g in in_flight}
+        episodes: list[InFlightEpisode] = []
+        shift: Counter[str] = Counter()  # sequences moved onto (+) or away from (-) each engine
+        for ep in snap.episodes:
+            if ep["group"] not in live:
+                continue
+            engine = self.moved.get(ep["id"], ep["engine"])
+            if engine not in ids:  # that engine left: the episode is back on its own worker's
+                engine = ep["owner"]
+            if engine not in ids:
+                continue
+            if engine != ep["owner"]:
+                shift[engine] += 1
+                shift[ep["owner"]] -= 1
+            age = ep["seconds"] + max(0.0, now - snap.at)
+            episodes.append(InFlightEpisode(ep["id"], ep["group"], engine, ep["turns"], ep["tokens"], age))
+        for g in in_flight:  # started since the snapshot: placeholders until the next one
+            if g.group_id not in self.seen:
+                age, tokens = now - g.started, self.unknown_tokens
+                episodes += [
+                    InFlightEpisode(f"{g.group_id}#{i}", g.group_id, ids[g.worker], 0, tokens, age)
+                    for i in range(self.group_size)
+                ]
+        self.seen &= live  # only groups still in flight need remembering
+        groups = Counter(g.worker for g in in_flight)
+        loads = [self.group_size * groups[p] + shift[e] for p, e in enumerate(ids)]
+        return tuple(episodes), loads, [self.engine_limit(e) for e in ids]
+
+    def engine_limit(self, engine: str) -> int:
+        snap = self.snapshot
+        return self.limits.get(engine) or (snap.limits.get(engine) if snap else None) or self.limit
+
+    def curve(self, engine: str) -> tuple[tuple[int, float], ...]:
+        return self.snapshot.curves.get(engine, ()) if self.snapshot else ()
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.snapshot.prefill_tokens_per_s if self.snapshot else 0.0
+
+    # -- applying ----------------------------------------------------------------------------------------
+
+    def migrate(self, action: Migrate) -> dict[str, Any] | None:
+        """Apply one `Migrate`; None when applied (its event comes measured), else the refusal."""
+        ids = self.engine_ids()
+        owner = self.owner.get(action.episode)
+        if owner not in ids or action.target not in ids:
+            why = "its worker has not reported it yet" if owner is None else "its worker or the target left"
+            return {"applied": False, "error": f"episode {action.episode}: {why}"}
+        worker, target = self.pool.rollout[ids.index(owner)], self.pool.rollout[ids.index(action.target)]
+        try:
+            result = ray.get(worker.migrate.remote(action.episode, target, action.target))
+        except Exception as e:  # the owner is gone: its episodes are its group's (drained or lost there)
+            return {"applied": False, "error": f"{type(e).__name__}: {e}"}
+        if not result["applied"]:
+            return {"applied": False, "error": result["error"]}
+        self.moved[action.episode] = action.target
+        rate = self.prefill_tokens_per_s
+        self.decided[action.episode] = (action, action.tokens / rate if rate > 0 else None)
+        return None
+
+    def free(self, action: FreeSlot) -> bool:
+        """Apply one `FreeSlot`: True when the engine now serves the next batch."""
+        if action.use != "next_batch" or action.engine not in self.engine_ids():
+            return False
+        self.released.add(action.engine)
+        return True
+
+    def new_batch(self) -> None:
+        """A new batch is being started: the engines freed for it are ordinary again."""
+        self.released.clear()
+
+    def set_concurrency(self, action: SetConcurrency) -> dict[str, Any]:
+        ids = self.engine_ids()
+        if action.engine not in ids:
+            return {"applied": False, "error": f"engine {action.engine} left"}
+        was = self.engine_limit(action.engine)
+        try:
+            now = int(
+                ray.get(
+                    self.pool.rollout[ids.index(action.engine)].set_concurrency.remote(action.concurrency)
+                )
+            )
+        except Exception as e:
+            return {"applied": False, "error": f"{type(e).__name__}: {e}"}
+        self.limits[action.engine] = now
+        return {"applied": True, "limit_was": was, "limit": now}
+
+    def close(self, now: float) -> list[dict[str, Any]]:
+        """The run is over: the migrations measured since the last poll, then those never measured."""
+        events: list[dict[str, Any]] = []
+        with contextlib.suppress(Exception):  # workers already gone: what was measured is lost with them
+            events = self.poll(now, force=True)
+        for action, predicted in self.decided.values():
+            events.append(self._event(action, predicted, {"outcome": "unmeasured (the run ended first)"}))
+        self.decided.clear()
+        return events
+
+    def _measured(self, report: dict[str, Any]) -> dict[str, Any]:
+        decided = self.decided.get(report["episode"])
+        if decided is not None and decided[0].target == report["target"]:
+            del self.decided[report["episode"]]
+            return self._event(decided[0], decided[1], report)
+        why = "the target failed: the episode went back to its own engine"
+        if not report["outcome"].startswith("ok"):
+            why = f"migration {report['outcome']}"
+        return {"what": "migrate", "why": why, "applied": True, **report}
+
+    @staticmethod
+    def _event(action: Migrate, predicted_s: float | None, measured: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "what": "migrate",
+            "why": action.reason,
+            "applied": True,
+            "episode": action.episode,
+            "source": action.source,
+            "target": action.target,
+            "tokens": action.tokens,
+            "predicted_s": predicted_s,
+            **{k: v for k, v in measured.items() if k not in ("episode", "source", "target")},
+        }

@@ -1,0 +1,226 @@
+"""The tail scheduler's per-episode actions applied (issue F7 point 3): the tail runtime's arithmetic
+(loads in sequences, placeholders, migrations counted) and the gate applying `Migrate`, `FreeSlot` and
+`SetConcurrency` on a snapshot set by hand, without Ray; then a real `agent-train` run in mode reflow
+whose tail migrates episodes between engines, frees the source for the next batch and sets a
+concurrency limit without losing a group or an episode."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from run_helpers import SMALL_ROLLOUT, TINY_MODEL
+
+from reflow.recipes.loop_sched import GroupInFlight, TailGate, TailLook
+from reflow.sched.tail import FreeSlot, Migrate, OverProvision, SetConcurrency, TailPolicy
+from reflow.sched.tail_runtime import Snapshot, TailRuntime, is_placeholder
+
+TESTS = Path(__file__).parent
+
+
+class Slots:
+    """A pool stand-in: rollout slots 0 and 2 (slot 1 trains)."""
+
+    def __init__(self) -> None:
+        self.rollout_slots = [SimpleNamespace(index=0), SimpleNamespace(index=2)]
+
+
+class RecordedRuntime(TailRuntime):
+    """`TailRuntime`'s own arithmetic (observe, limits, freed engines) on a snapshot set by hand; the
+    calls that go to Ray are recorded instead."""
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        super().__init__(Slots(), group_size=2, limit=8)
+        self.asked: list = []
+        self.snapshot = snapshot
+        self.seen = {ep["group"] for ep in snapshot.episodes}
+        self.owner = {ep["id"]: ep["owner"] for ep in snapshot.episodes}
+
+    def poll(self, now, force=False):
+        return []
+
+    def migrate(self, action):
+        self.asked.append(action)
+        if action.episode == "gone":
+            return {"applied": False, "error": "episode gone is not running here (ended?)"}
+        self.moved[action.episode] = action.target
+        return None
+
+    def set_concurrency(self, action):
+        self.asked.append(action)
+        self.limits[action.engine] = action.concurrency
+        return {"applied": True, "limit_was": 8, "limit": action.concurrency}
+
+
+def _ep(id, group, engine, owner=None, tokens=100, seconds=5.0):
+    return {
+        "id": id,
+        "group": group,
+        "owner": owner or engine,
+        "engine": engine,
+        "turns": 2,
+        "tokens": tokens,
+        "seconds": seconds,
+    }
+
+
+def test_runtime_observes_episodes_and_loads_in_sequences_with_migrations_counted():
+    snap = Snapshot(
+        at=10.0,
+        episodes=[_ep("a", "g1", "w0"), _ep("b", "g1", "w2", owner="w0"), _ep("c", "g2", "w2")],
+        limits={"w0": 8, "w2": 6},
+    )
+    rt = RecordedRuntime(snap)
+    in_flight = [GroupInFlight(0, "g1", 0.0), GroupInFlight(1, "g2", 0.0), GroupInFlight(1, "g3", 9.0)]
+    episodes, loads, limits = rt.observe(in_flight, now=12.0)
+    # g3 started after the snapshot: two placeholders on its worker, priced at the whole context budget
+    assert [(e.id, e.engine, e.tokens) for e in episodes] == [
+        ("a", "w0", 100),
+        ("b", "w2", 100),
+        ("c", "w2", 100),
+        ("g3#0", "w2", 4096),
+        ("g3#1", "w2", 4096),
+    ]
+    assert episodes[0].seconds == 7.0 and episodes[3].seconds == 3.0  # aged by the snapshot's age
+    # w0 launched g1 (2 sequences) but b generates on w2: 1; w2 launched g2 and g3 (4) and holds b: 5
+    assert loads == [1, 5] and limits == [8, 6]
+    rt.moved["a"] = "w2"  # a migration applied since the snapshot
+    assert rt.observe(in_flight, now=12.0)[1] == [0, 6]
+
+
+def test_gate_applies_migrations_frees_the_source_for_the_next_batch_and_sets_limits():
+    rt = RecordedRuntime(Snapshot(at=0.0, episodes=[_ep("a", "g1", "w0"), _ep("b", "g2", "w2")]))
+    gate = TailGate(TailPolicy(), batch=4, per_worker=4, group_size=2, runtime=rt)
+    actions = [
+        Migrate("b", "w2", "w0", 100, "the tail fits on w0"),
+        Migrate("gone", "w2", "w0", 50, "another"),
+        FreeSlot("w2", "next_batch", "w2 emptied"),
+        SetConcurrency("w0", 6, "knee at 6"),
+    ]
+    look = gate.apply(actions, started=4, next_room=3)
+    assert look.migrations == 1 and [a.kind for a in rt.asked] == ["migrate", "migrate", "set_concurrency"]
+    # an applied migration's event comes measured (from the worker); a refused one says why at once
+    by_kind = {e["what"]: e for e in look.events}
+    assert by_kind["migrate"]["episode"] == "gone" and by_kind["migrate"]["applied"] is False
+    assert by_kind["free_slot"]["applied"] is True and by_kind["set_concurrency"]["limit"] == 6
+    # the next batch's groups may start, as admission allows, on the freed engine only
+    assert look.room == 3 and look.beyond_b == 0 and look.only == {1}
+    look.loads, look.limits, look.group_size = [2, 0], [6, 8], 2
+    assert look.worker() == 1 and look.take(1) is False
+    # the same decisions next look: nothing asked again, no new events
+    again = gate.apply(actions, started=4, next_room=3)
+    assert again.events == [] and again.migrations == 0 and len(rt.asked) == 3
+    assert again.only == {1}  # still freed until a new batch starts
+    gate.apply([OverProvision(2, 0, "a new batch")], started=0)
+    assert rt.released == set()
+
+
+def test_gate_worker_picks_the_least_loaded_engine_with_room_under_its_limit():
+    look = TailLook(None, loads=[4, 2, 6], limits=[8, 4, 6], group_size=2)
+    assert look.worker() == 1 and look.take(1) is False and look.loads == [4, 4, 6]
+    assert look.worker() == 0  # w1 is at its limit now; w2 too
+    look.take(0)
+    look.take(0)
+    assert look.worker() is None
+    # an idle engine always takes a group, even under a limit smaller than one group
+    assert TailLook(None, loads=[0], limits=[1], group_size=4).worker() == 0
+
+
+class ScriptedTail:
+    """The real tail policy, plus scripted actions the runtime applies for real (as `ScriptedElastic`):
+    the first two times two engines run started episodes, every episode of the less loaded one
+    migrates to the other, which is freed for the next batch; and once, engine w0's limit is 12."""
+
+    def __init__(self, cfg=None) -> None:
+        self.policy, self.forced, self.limit_set = TailPolicy(cfg), 0, False
+
+    def extra_groups(self, *args):
+        return self.policy.extra_groups(*args)
+
+    def decide(self, obs):
+        actions = self.policy.decide(obs)
+        started = [ep for ep in obs.episodes if not is_placeholder(ep.id)]
+        engines = {e.id for e in obs.engines if not e.released}
+        by_engine = {e: [ep for ep in started if ep.engine == e] for e in engines}
+        busy = sorted((e for e in by_engine if by_engine[e]), key=lambda e: (len(by_engine[e]), e))
+        if self.forced < 2 and len(busy) >= 2 and not any(a.kind == "migrate" for a in actions):
+            src, dst = busy[0], busy[-1]
+            actions += [Migrate(ep.id, src, dst, ep.tokens, "scripted: consolidate") for ep in by_engine[src]]
+            actions.append(FreeSlot(src, "next_batch", "scripted: emptied"))
+            self.forced += 1
+        if not self.limit_set and "w0" in engines:
+            actions.append(SetConcurrency("w0", 12, "scripted: the knee"))
+            self.limit_set = True
+        return actions
+
+
+@pytest.mark.slow
+def test_reflow_run_migrates_episodes_and_loses_no_group_or_episode(tmp_path, monkeypatch):
+    import ray
+
+    import reflow.recipes.decoupled as decoupled
+    from reflow.config import load_config
+    from reflow.recipes.agent_train import train
+    from reflow.replay import ReplayStore
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setattr(decoupled, "TailPolicy", ScriptedTail)
+    overrides = [
+        *TINY_MODEL,
+        *SMALL_ROLLOUT,
+        "train.lr=1e-2",
+        "train.checkpoint_every=100",
+        "eval.every=0",
+        "eval.episodes=4",
+        "eval.max_new_tokens=8",
+        "resources.threads_per_slot=1",
+        "env.plugins=[tail_envs:register_tail_envs]",
+        "env.id=test/LongParity-v0",
+        "env.kwargs={step_s: 0.3}",
+        "rollout.max_new_tokens=12",
+        f"out_dir={tmp_path}",
+        "run_name=tail",
+        "mode=reflow",
+        "train.steps=5",
+        "resources.slots=[rollout, rollout, train]",
+        "elastic.enabled=false",  # the slots stay put: this run is about the tail
+    ]
+    try:
+        summary = train(load_config(None, overrides))
+    finally:
+        ray.shutdown()
+    run_dir = tmp_path / "tail"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 5
+    tail = [r for r in rows if r["kind"] == "tail"]
+    migrations = [t for t in tail if t["what"] == "migrate" and t["applied"]]
+    decided = [t for t in migrations if "tokens" in t]  # the decisions (a fallback is measured apart)
+    # every migration applied is one event with what, why and the measured effect
+    assert summary["tail_migrations"] >= 1 and len(decided) == summary["tail_migrations"]
+    assert all({"episode", "source", "target", "tokens", "outcome"} <= set(m) for m in decided)
+    assert all(m["source"] != m["target"] for m in decided)
+    # measured: the tokens the target computed again, the first token's seconds there (its re-prefill)
+    done = [m for m in decided if m["outcome"] == "ok"]
+    assert done and all(m["reprefill_tokens"] > 0 for m in done)
+    assert all(m["first_token_s"] is not None for m in done)
+    assert all((m["handoff_s"] is not None) == m["in_flight"] for m in done)  # an abort's round trip
+    assert any(t["what"] == "free_slot" and t["applied"] and t["use"] == "next_batch" for t in tail)
+    assert any(t["what"] == "set_concurrency" and t["applied"] and t["limit"] == 12 for t in tail)
+    # nothing lost: the store is whole, every group has its 4 episodes, none is an infra error, and the
+    # migrated episodes whose groups were stored are there with their migration counted
+    with ReplayStore(run_dir / "replay.sqlite", "tail") as store:
+        assert store.integrity_check() == "ok"
+        steps = [r for r in rows if r["kind"] == "step"]
+        assert sum(s["groups_generated"] for s in steps) <= store.count()
+        records = {r.episode_id: r for r in store.episodes()}
+        groups = {r.group_id for r in records.values()}
+        for g in groups:
+            assert len(store.group(g).episodes) == 4
+    assert all(r.status != "infra_error" for r in records.values())
+    moved = [records[m["episode"]] for m in decided if m["episode"] in records]
+    assert moved, "no migrated episode's group was stored"
+    assert all(r.timings.get("migrations", 0) >= 1 and r.status in ("ok", "truncated") for r in moved)
