@@ -1,10 +1,13 @@
 """`reflow simulate`: run a scenario, validate against published figures, fit the free parameters.
 
     reflow simulate --config configs/sim/predict/qwen3-8b-32-reasoning.yaml [--mode async] [KEY=VALUE ...]
-    reflow simulate --validate [--folder configs/sim/validate] [--only NAME ...] [--markdown]
+    reflow simulate --validate [--folder configs/sim/validate] [--only NAME ...] [--markdown] [--require 8]
     reflow simulate --fit configs/sim/calibration/verl-h20-7b.yaml
     reflow simulate --config configs/sim/predict/qwen3-8b-32-agentic.yaml --predict
+    reflow simulate --config configs/sim/predict/*.yaml --predict --plot docs/sim-predictions.png
+    reflow simulate --config configs/sim/predict/qwen3-8b-32-reasoning.yaml --sweep mode.cycle.max_reuse=1,2,4
     reflow simulate --plan --model-size 8B --gpus 32 --workload configs/sim/predict/qwen3-8b-32-agentic.yaml
+    reflow simulate --from-run runs/bench-modes [--markdown]   # a run, or each run of a bench folder
 
 Only argparse at import: the simulator is imported inside the handler, so `reflow --help` stays light.
 """
@@ -43,11 +46,23 @@ def add_parser(sub: Any) -> None:
         help="simulate a cluster run with the project's own policies (calibrated costs; results are simulated)",
     )
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--config", help="a scenario YAML (configs/sim/...)")
+    what.add_argument(
+        "--config",
+        nargs="+",
+        metavar="SCENARIO",
+        help="a scenario YAML (configs/sim/...); several with --predict",
+    )
     what.add_argument("--validate", action="store_true", help="run the published targets, exit 1 on a miss")
     what.add_argument("--fit", metavar="CALIBRATION", help="refit a calibration file's free parameters")
     what.add_argument(
         "--plan", action="store_true", help="recommend the rollout:train split, eta and K (needs --workload)"
+    )
+    what.add_argument(
+        "--from-run",
+        nargs="+",
+        metavar="RUN",
+        help="predict finished runs from their measured costs (a run folder or a bench modes folder); "
+        "exit 1 when a figure misses by more than 15%%",
     )
     p.add_argument("--mode", choices=MODES, help="run the scenario in this mode instead of its own")
     p.add_argument("--modes", help="comma-separated modes to compare side by side")
@@ -56,9 +71,25 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="compare sync, async eta 1/2, reflow static and full (Markdown)",
     )
+    p.add_argument(
+        "--sweep",
+        metavar="KEY=V1,V2,...",
+        help="--config: the --predict comparison at each value of one scenario key",
+    )
+    p.add_argument(
+        "--plot", metavar="PNG", help="--predict: a bar chart of trained tokens/s vs sync per scenario"
+    )
     p.add_argument("--folder", default="configs/sim/validate", help="--validate: the scenario folder")
     p.add_argument("--only", nargs="*", help="--validate: only these target names")
-    p.add_argument("--markdown", action="store_true", help="--validate: also print the table as Markdown")
+    p.add_argument(
+        "--require",
+        type=int,
+        metavar="N",
+        help="--validate: exit 0 when at least N targets are within 15%% (default: every target)",
+    )
+    p.add_argument(
+        "--markdown", action="store_true", help="--validate, --from-run: also print the table as Markdown"
+    )
     p.add_argument("--json", action="store_true", help="print the full summary as JSON")
     p.add_argument("--workload", help="--plan: a scenario YAML with the workload and cost model")
     p.add_argument("--model-size", help="--plan: the model, e.g. 8B (configs/sim/models/*-8b.yaml)")
@@ -84,6 +115,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             return _fit(args)
         if args.plan:
             return _plan(args)
+        if args.from_run:
+            return _from_run(args)
         return _run(args)
     except ConfigError as e:
         return _fail(str(e))
@@ -98,12 +131,13 @@ def _run(args: argparse.Namespace) -> int:
     from reflow.sim.config import ModeConfig, load_scenario
     from reflow.sim.engine import simulate
 
-    s = load_scenario(args.config, args.overrides)
+    if args.sweep:
+        return _sweep(args)
     if args.predict:
-        from reflow.sim.predict import markdown, predict
-
-        print(markdown(s, predict(s)))
-        return 0
+        return _predict(args)
+    if len(args.config) > 1:
+        return _fail("several --config files need --predict")
+    s = load_scenario(args.config[0], args.overrides)
     modes = [m.strip() for m in args.modes.split(",")] if args.modes else [args.mode] if args.mode else [None]
     bad = [m for m in modes if m is not None and m not in MODES]
     if bad:
@@ -131,6 +165,35 @@ def _run(args: argparse.Namespace) -> int:
     table.add_row("reuse_hist", *(json.dumps(r["reuse_hist"]) for r in results))
     table.add_row("policy events", *(str(len(r["events"])) for r in results))
     Console(width=None if sys.stdout.isatty() else 150).print(table)
+    return 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from reflow.sim.config import load_scenario
+    from reflow.sim.predict import markdown, plot, predict
+
+    results = {}
+    for path in args.config:
+        s = load_scenario(path, args.overrides)
+        results[s.name] = rows = predict(s)
+        print(markdown(s, rows) + "\n")
+    if args.plot:
+        plot(results, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from reflow.sim.predict import sweep, sweep_markdown
+
+    key, sep, values = args.sweep.partition("=")
+    if not sep or not key or not values:
+        return _fail(f"--sweep {args.sweep!r}: expected KEY=V1,V2,...")
+    if len(args.config) > 1:
+        return _fail("--sweep takes one --config file")
+    rows = sweep(args.config[0], list(args.overrides), key, [v.strip() for v in values.split(",")])
+    print(f"{args.config[0]}: {key} swept (simulated)\n")
+    print(sweep_markdown(key, rows))
     return 0
 
 
@@ -171,7 +234,44 @@ def _validate(args: argparse.Namespace) -> int:
     console.print(summary_line(results))
     if args.markdown:
         print(markdown(results))
-    return 0 if all(abs(r.error) <= TOLERANCE for r in results) else 1
+    need = len(results) if args.require is None else args.require
+    return 0 if sum(abs(r.error) <= TOLERANCE for r in results) >= need else 1
+
+
+def _from_run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from reflow.sim.from_run import SHOWN, TOLERANCE, compare, markdown
+    from reflow.sim.measured import measure, run_folders
+
+    results = [compare(measure(run)) for arg in args.from_run for run in run_folders(arg)]
+    console = Console(width=None if sys.stdout.isatty() else 150)
+    for c in results:
+        m = c.measurement
+        table = Table(
+            title=f"{m.run_dir}: mode {m.mode}, {m.steps} steps in {m.wall_s:.0f} s (simulated vs measured)"
+        )
+        for col in ("figure", "measured", "simulated", "error"):
+            table.add_column(col)
+        for r in c.rows:
+            err = f"{r.error:+.1%}" if r.relative else f"{100 * r.error:+.1f} pt"
+            table.add_row(
+                r.name, f"{r.measured:.4g}", f"{r.simulated:.4g}", err if r.passed else f"[red]{err}[/red]"
+            )
+        for key in SHOWN[len(c.rows) :]:
+            table.add_row(key, f"{m.extra.get(key, float('nan')):.4g}", f"{c.simulated[key]:.4g}", "")
+        console.print(table)
+        costs = ", ".join(f"{k} {v:.4g}" for k, v in m.costs.items())
+        console.print(f"measured costs fed in: {costs}")
+    ok = sum(c.passed for c in results)
+    console.print(
+        f"{ok} of {len(results)} runs within {TOLERANCE:.0%} on every figure "
+        "(rates relative; idle ratios in points of time)"
+    )
+    if args.markdown:
+        print(markdown(results))
+    return 0 if ok == len(results) else 1
 
 
 def _plan(args: argparse.Namespace) -> int:

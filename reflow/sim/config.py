@@ -75,6 +75,19 @@ class DecodeCost(_Section):
         description="share of the bf16 peak a decode iteration reaches once compute-bound: each running "
         "sequence costs 2 x active params FLOPs per token, so engine tokens/s saturates with batch",
     )
+    kv_pressure_slowdown: float = Field(
+        1.0,
+        ge=1,
+        description="while requests wait because no engine's KV cache can hold them, an engine with "
+        "sequence slots free runs a full cache: vLLM preempts and recomputes sequences, so its "
+        "per-sequence (compute) term is this many times larger until the queue's head fits again",
+    )
+    engine_tokens_per_s: float | None = Field(
+        None,
+        gt=0,
+        description="measured (a run's metrics): an engine's tokens/s while busy; replaces the bandwidth "
+        "and FLOP terms (an iteration of b sequences costs b / this), no KV bound, prefill folded in",
+    )
 
 
 class TrainCost(_Section):
@@ -89,6 +102,12 @@ class TrainCost(_Section):
     logprob_factor: float = Field(0.33, ge=0, description="old-log-prob forward, relative to the update")
     ref_factor: float = Field(0.0, ge=0, description="reference-model forward (KL), relative to the update")
     colocated_factor: float = Field(1.0, gt=0, le=1, description="mfu kept when colocated with the engines")
+    tokens_per_s: float | None = Field(
+        None,
+        gt=0,
+        description="measured (a run's metrics): tokens (prompt + generated + tool) one trainer device "
+        "processes per second; replaces 6 x active params / (peak x mfu)",
+    )
 
 
 class SyncCost(_Section):
@@ -104,6 +123,13 @@ class SyncCost(_Section):
         ge=0,
         description="partial rollout: rollout-side seconds after each sync before the engines decode again "
         "(wake-up, KV re-allocation, re-prefill of interrupted requests); the trainer does not wait for it",
+    )
+    colocated_wake_s: float = Field(
+        0.0,
+        ge=0,
+        description="colocated (sync): seconds the engines stay paused after each sync before they decode "
+        "(vLLM woken up, weights resharded in, KV cache re-allocated); the trainer waits through it, so it "
+        "counts in the generation phase, as verl's `gen` timing does",
     )
     role_change_s: float = Field(60.0, ge=0, description="cold start of an engine or trainer rank")
 
@@ -130,6 +156,11 @@ class Workload(_Section):
     lengths_from: str | None = Field(
         None, description="replay store (.sqlite) or export (.jsonl) to resample"
     )
+    groups_from: str | None = Field(
+        None,
+        description="a run's replay store (.sqlite): whole stored groups are resampled (every episode's "
+        "prompt, turns, tool seconds and tool-output tokens, and the group's reward spread)",
+    )
 
 
 class Batch(_Section):
@@ -153,6 +184,25 @@ class ModeConfig(_Section):
     )
     elastic: bool = False
     tail: bool = False
+    tail_config: dict[str, Any] = Field(
+        default_factory=dict, description="reflow.sched.tail.TailConfig fields (the run's `tail:`)"
+    )
+    elastic_config: dict[str, Any] = Field(
+        default_factory=dict, description="reflow.sched.elastic.ElasticConfig fields (the run's `elastic:`)"
+    )
+    groups_per_engine: int | None = Field(
+        None,
+        ge=1,
+        description="async/reflow: groups in flight per engine at most (the runtime's rollout workers: "
+        "rollout.max_batch_size // group_size); None: only the engines' sequence limit",
+    )
+    resample_rounds: int | None = Field(
+        None,
+        ge=0,
+        description="sync: collect in rounds as the runtime's sync loop does (a round of B groups, then up "
+        "to this many rounds for the groups that came back without reward spread; the step trains on "
+        "those with spread, at most B); None: replacements start as soon as a slot frees",
+    )
 
     @model_validator(mode="after")
     def _one_bound(self) -> ModeConfig:
@@ -249,6 +299,7 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scena
     """Read a scenario YAML (with its includes), apply KEY=VALUE overrides, validate."""
     p = Path(path).resolve()
     data = apply_overrides(_read_yaml(p), list(overrides or []))
-    if data.get("workload", {}).get("lengths_from"):  # relative to the scenario file
-        data["workload"]["lengths_from"] = str((p.parent / data["workload"]["lengths_from"]).resolve())
+    for key in ("lengths_from", "groups_from"):  # relative to the scenario file
+        if data.get("workload", {}).get(key):
+            data["workload"][key] = str((p.parent / data["workload"][key]).resolve())
     return validate_scenario(data, str(path))

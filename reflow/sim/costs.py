@@ -37,6 +37,8 @@ class DecodeModel:
     """Seconds to read the inactive-for-one-token expert weights, all of them."""
     miss: float = 1.0
     """1 - top_k / experts: the chance that one token leaves a given expert untouched."""
+    kv_pressure: float = 1.0
+    """Factor on per_seq_s while the engine runs a full cache with requests waiting (preemption)."""
 
     def weights_s(self, b: int) -> float:
         """Weight-reading seconds of one iteration of b sequences."""
@@ -51,6 +53,18 @@ class DecodeModel:
 
 
 def decode_model(gpu: GpuSpec, model: ModelSpec, cost: DecodeCost, colocated: bool = True) -> DecodeModel:
+    """The iteration cost of one engine from the scenario's decode section (see `DecodeModel`). With a
+    measured `engine_tokens_per_s` the engine is a constant-rate processor-sharing server: b sequences
+    share that rate, whatever b."""
+    if cost.engine_tokens_per_s is not None:
+        return DecodeModel(
+            a=cost.iter_fixed_s,
+            k=0.0,
+            per_seq_s=1 / cost.engine_tokens_per_s,
+            max_running=cost.max_running,
+            kv_capacity_tokens=math.inf,
+            prefill_s_per_token=0.0,
+        )
     bandwidth = gpu.hbm_gb_s * GB * cost.bw_efficiency * cost.tp * cost.tp_efficiency ** (cost.tp - 1)
     active_bytes = model.active_b * 1e9 * model.bytes_per_param
     share = cost.kv_memory_fraction if colocated else cost.separate_kv_memory_fraction
@@ -73,6 +87,7 @@ def decode_model(gpu: GpuSpec, model: ModelSpec, cost: DecodeCost, colocated: bo
         k=model.kv_bytes_per_token / bandwidth,
         per_seq_s=cost.per_seq_s
         + 2 * model.active_b * 1e9 / (gpu.bf16_tflops * 1e12 * cost.tp * cost.decode_mfu),
+        kv_pressure=cost.kv_pressure_slowdown,
         max_running=cost.max_running,
         kv_capacity_tokens=kv_room / model.kv_bytes_per_token,
         prefill_s_per_token=2 * model.active_b * 1e9 / prefill_flops,
@@ -95,7 +110,10 @@ def train_s(
         return 0.0
     scale = 1.0 + cost.fsdp_alpha * math.log2(gpus / 8) if gpus > 8 else 1.0
     mfu = cost.mfu * (cost.colocated_factor if colocated else 1.0)
-    compute = tokens * 6 * model.active_b * 1e9 * scale / (gpus * gpu.bf16_tflops * 1e12 * mfu)
+    if cost.tokens_per_s is not None:  # measured: tokens per second of one trainer device
+        compute = tokens * scale / (gpus * cost.tokens_per_s * (mfu / cost.mfu))
+    else:
+        compute = tokens * 6 * model.active_b * 1e9 * scale / (gpus * gpu.bf16_tflops * 1e12 * mfu)
     return (cost.fixed_s * fixed_share + compute) * (
         1 + cost.ref_factor + (cost.logprob_factor if recompute else 0.0)
     )
@@ -123,22 +141,48 @@ class SampleShape:
     obs_tokens: int
 
 
+@dataclass(frozen=True)
+class GroupShape:
+    """A group as a run stored it: its episodes' shapes and whether its rewards had any spread."""
+
+    samples: tuple[SampleShape, ...]
+    spread: bool
+
+
 class LengthSampler:
     """Draws sample shapes for one group at a time from the workload's distributions (or from a list of
-    measured response lengths, `lengths`, e.g. a replay store's), with its own seeded generator."""
+    measured response lengths, `lengths`, e.g. a replay store's, or whole stored groups, `groups`),
+    with its own seeded generator."""
 
-    def __init__(self, workload: Workload, seed: int, lengths: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        workload: Workload,
+        seed: int,
+        lengths: list[int] | None = None,
+        groups: tuple[GroupShape, ...] | None = None,
+    ) -> None:
         self.w = workload
         self.rng = random.Random(seed)
         self.lengths = lengths
+        self.groups = groups
 
     def _lognormal(self, median: float, sigma: float) -> float:
         return median * math.exp(self.rng.gauss(0.0, sigma)) if sigma > 0 else median
 
     def group(self, n: int) -> list[SampleShape]:
+        return self.draw(n)[0]
+
+    def draw(self, n: int) -> tuple[list[SampleShape], bool | None]:
+        """n sample shapes for one group, and whether the group has no reward spread (None: unknown,
+        the caller draws it from `zero_spread_prob`). A stored group of another size gives n of its
+        episodes, drawn with replacement."""
+        if self.groups:
+            g = self.rng.choice(self.groups)
+            samples = list(g.samples) if len(g.samples) == n else self.rng.choices(g.samples, k=n)
+            return samples, not g.spread
         w = self.w
         factor = math.exp(self.rng.gauss(0.0, w.group_sigma)) if w.group_sigma > 0 else 1.0
-        return [self._sample(factor) for _ in range(n)]
+        return [self._sample(factor) for _ in range(n)], None
 
     def _sample(self, factor: float) -> SampleShape:
         w = self.w

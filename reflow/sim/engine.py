@@ -3,9 +3,8 @@ event heap, in simulated seconds, driven by the project's own policy objects.
 
 What it owns: time, engines (continuous batching as processor sharing: every running sequence gains
 one token per iteration, an iteration costs `DecodeModel.iter_s(b, context)`), requests (one per
-sample and turn, with tool calls between turns), the trainer (one update per mini-batch, `trigger`
-of them per weight sync) and the sync itself (partial rollout pauses the engines; without it they
-drain first). What it does not own: which groups may start (`AdmissionControl`), which groups a
+sample and turn, with tool calls between turns) and which groups start when. The trainer, the weight
+sync and the engines' resume are its mixin `reflow.sim.training.TrainingSide`. What it does not own: which groups may start (`AdmissionControl`), which groups a
 step trains (`plan_batch` / `consume`), how much replay (`ReplayShare`), the rollout:train split
 (`ElasticPolicy`) and the tail actions (`TailPolicy`): those are the runtime's objects, imported
 here and called through reflow/sim/policies.py, so a change to a policy changes the simulation.
@@ -31,16 +30,12 @@ from reflow.replay.cycle import (
 )
 from reflow.sim import policies
 from reflow.sim.config import ModeConfig, Scenario
-from reflow.sim.costs import (
-    LengthSampler,
-    decode_model,
-    load_lengths,
-    sync_s,
-    train_s,
-)
+from reflow.sim.costs import LengthSampler, decode_model, load_lengths
+from reflow.sim.measured import load_groups
 from reflow.sim.metrics import Recorder
 from reflow.sim.rollout import Engine, GroupState, Request
 from reflow.sim.store import SimStore
+from reflow.sim.training import SyncRounds, TrainingSide
 
 __all__ = [
     "AdmissionControl",
@@ -53,14 +48,15 @@ __all__ = [
 ]
 
 
-class Simulation:
+class Simulation(TrainingSide):
     def __init__(self, s: Scenario, mode: ModeConfig | None = None) -> None:
         self.s, self.m = s, mode or s.mode
         m = self.m
         self.colocated = m.mode == "sync"
         self.dm = decode_model(s.gpu, s.model, s.decode, colocated=self.colocated)
         lengths = load_lengths(s.workload.lengths_from) if s.workload.lengths_from else None
-        self.sampler = LengthSampler(s.workload, s.run.seed, lengths)
+        groups = load_groups(s.workload.groups_from) if s.workload.groups_from else None
+        self.sampler = LengthSampler(s.workload, s.run.seed, lengths, groups)
         self.B = s.batch.groups
         rollout_gpus = s.gpus if self.colocated else (m.rollout_gpus or s.gpus // 2)
         self.train_gpus = s.gpus if self.colocated else s.gpus - rollout_gpus
@@ -74,13 +70,16 @@ class Simulation:
         if m.mode == "reflow" and m.recompute_logprob is None:
             self.recompute = False
         self.admission, self.version_scale = policies.admission_for(m, self.B)
+        use_rounds = self.colocated and m.resample_rounds is not None
+        self.rounds = SyncRounds(self.B, m.resample_rounds or 0) if use_rounds else None
+        self.paused_by_sync: list[Engine] = []
         self.cycle = CycleConfig(**m.cycle) if m.mode == "reflow" else CycleConfig(max_reuse=1)
         self.share = ReplayShare(self.cycle)
         self.store = SimStore()
         self.rec = Recorder(len(self.engines))
-        self.elastic = policies.make_elastic(s) if m.elastic else None
-        self.tail = policies.make_tail(s) if m.tail else None
-        self.extra_room = 0  # over-provisioned groups the tail policy asked for, on top of admission
+        self.elastic = policies.make_elastic(s, m) if m.elastic else None
+        self.tail = policies.make_tail(m) if m.tail else None
+        self.tail_gate = policies.TailGateCache()
         # what policies.elastic_step measures between its calls, and the role-change costs it has seen
         self.elastic_snap: tuple[float, ...] | None = None
         self.elastic_changed_at = 0
@@ -106,6 +105,7 @@ class Simulation:
         self.prefilling = 0  # requests in prefill or a tool call, not yet queued
         self.open: list[tuple[int, int, Engine]] = []  # engines by load, lazily updated
         self.blocked = False  # the queue's head fits on no engine now
+        self.pressured = False  # engines run a full cache with requests waiting (`update_pressure`)
         self.capacity = self.n_running = 0
         self.recount()
 
@@ -138,6 +138,13 @@ class Simulation:
     def admission_room(self) -> int:
         if self.draining or self.syncing:
             return 0
+        if self.rounds is not None:  # the sync loop's rounds instead of admission control
+            return self.rounds.left()
+        cap = self.m.groups_per_engine
+        if cap is not None and not self.colocated:
+            alive = sum(e.alive for e in self.engines)
+            if self.store.in_flight() >= cap * alive:
+                return 0
         # As the runtime's driver asks it (reflow/recipes/decoupled.py): at the engines' version, with
         # the fresh groups the first `version` steps trained (fewer than version * B when replay filled).
         accepted = accepted_groups(self.store)
@@ -145,7 +152,9 @@ class Simulation:
         room = self.admission.room(
             self.version * self.version_scale, accepted, self.store.in_flight(), trained
         )
-        return room + self.extra_room
+        if self.tail is not None and room > 0:  # the runtime's tail gate: at most B + delta a batch
+            room = min(room, policies.tail_room(self))
+        return room
 
     def recount(self) -> None:
         """After engines joined, left or changed their concurrency limit."""
@@ -163,14 +172,16 @@ class Simulation:
         """Start groups while admission control has room and the engines could take more work."""
         n = self.s.batch.samples_per_group
         while self.free_slots() > 0 and self.admission_room() > 0:
-            if self.extra_room > 0:
-                self.extra_room -= 1
             gid = f"g{next(self.groups)}"
-            g = GroupState(gid, self.version, n, self.now)
+            shapes, zero = self.sampler.draw(n)
+            g = GroupState(gid, self.version, n, self.now, zero=zero)
             self.store.begin_group(gid, self.version)
-            for shape in self.sampler.group(n):
+            if self.rounds is not None:
+                self.rounds.start()
+            for shape in shapes:
                 req = Request(g, shape, ctx=shape.prompt, left=shape.turns[0], started_at=self.now)
                 g.tokens += shape.prompt + sum(shape.turns) + shape.obs_tokens * (len(shape.turns) - 1)
+                g.generated += sum(shape.turns)
                 self.requests_out += 1
                 self.prefilling += 1
                 self.push(self.now + shape.prompt * self.dm.prefill_s_per_token, "ready", req)
@@ -222,6 +233,22 @@ class Simulation:
             touched.add(chosen)
         for e in touched:
             self.reschedule(e)
+        self.update_pressure()
+
+    def update_pressure(self) -> None:
+        """While requests wait because no engine's cache holds the next one, the engines with sequence
+        slots free run a full cache, as vLLM does by preempting and recomputing sequences: they pay
+        `decode.kv_pressure_slowdown` on their per-sequence term until the queue's head fits again."""
+        on = self.blocked and bool(self.queue) and self.dm.kv_pressure != 1.0
+        if on == self.pressured:
+            return
+        self.pressured = on
+        for e in self.engines:
+            factor = self.dm.kv_pressure if on and e.alive and e.b < e.max_running else 1.0
+            if factor != e.pressure:
+                e.advance(self.now)
+                e.pressure = factor
+                self.reschedule(e)
 
     def admit_into(self, e: Engine) -> None:
         while self.queue and not self.syncing and e.has_room(self.queue[0]):
@@ -230,6 +257,9 @@ class Simulation:
             e.admit(req, next(self.seq))
             self.n_running += 1
         self.offer(e)
+        if not self.queue:
+            self.blocked = False
+        self.update_pressure()
 
     def on_engine(self, e: Engine, token: int) -> None:
         if token != e.token:
@@ -273,112 +303,15 @@ class Simulation:
             self.start_sync()
 
     def group_done(self, g: GroupState) -> None:
-        zero = self.sampler.rng.random() < self.s.workload.zero_spread_prob
-        self.store.add(g.gid, g.version, 0.0 if zero else 1.0, {"tokens": g.tokens, "partial": g.partial})
+        zero = g.zero if g.zero is not None else self.sampler.rng.random() < self.s.workload.zero_spread_prob
+        meta = {"tokens": g.tokens, "generated": g.generated, "partial": g.partial}
+        self.store.add(g.gid, g.version, 0.0 if zero else 1.0, meta)
         self.rec.group(self.now - g.started_at, self.s.batch.samples_per_group)
+        if self.rounds is not None:
+            self.rounds.done(not zero)
         if self.tail is not None:
             policies.tail_step(self)
         self.try_train()
-
-    # ---- training
-
-    def try_train(self) -> None:
-        if self.trainer_busy or self.trainer_blocked or self.draining or self.syncing:
-            return
-        want = self.B // self.trigger
-        plan = plan_batch(
-            self.store,
-            want=want,
-            current_version=self.version,
-            share=self.share.share,
-            cfg=self.cycle,
-            allow_replay=self.m.mode == "reflow",
-        )
-        if plan.size < want:
-            return
-        step = self.version * self.trigger + self.chunk
-        consume(self.store, plan, step)
-        self.fresh_trained += len(plan.fresh)
-        tokens = sum(g.meta["tokens"] for g in plan.groups)
-        dt = train_s(
-            tokens,
-            self.train_gpus,
-            self.s.gpu,
-            self.s.model,
-            self.s.train,
-            self.recompute,
-            colocated=self.colocated,
-            fixed_share=1 / self.trigger,
-        )
-        if self.wait_since is not None:
-            self.version_wait += self.now - self.wait_since
-            self.wait_since = None
-        self.rec.trained(plan, self.version, tokens, self.s.batch.samples_per_group)
-        self.trainer_busy = True
-        self.version_train += dt
-        self.rec.trainer_busy(dt)
-        self.push(self.now + dt, "trained", plan)
-        self.fill()
-
-    def on_trained(self, plan, _token: int) -> None:
-        self.trainer_busy = False
-        self.wait_since = self.now
-        stale = plan.staleness(self.version)
-        kl = self.m.kl_per_version * (sum(stale) / len(stale) if stale else 0.0)
-        self.share.update(self.version, trainer_wait_s=self.version_wait, masked_frac=0.0, kl=kl)
-        self.chunk += 1
-        if self.chunk < self.trigger:
-            self.try_train()
-            return
-        self.chunk = 0
-        self.phase = {"wait_s": self.version_wait, "train_s": self.version_train}
-        self.version_wait = self.version_train = 0.0
-        if self.partial or self.colocated or self.requests_out == 0:
-            self.start_sync()
-        else:
-            self.draining = True  # no new work; the sync starts when the last request ends
-
-    def start_sync(self) -> None:
-        self.draining, self.syncing = False, True
-        dt = sync_s(self.s.model, self.s.sync, self.colocated)
-        for e in self.engines:
-            e.advance(self.now)
-            e.paused += 1
-            e.token += 1
-        self.rec.trainer_busy(dt)
-        self.rec.sync(dt)
-        self.push(self.now + dt, "synced")
-
-    def on_synced(self, _obj, _token: int) -> None:
-        self.syncing = False
-        self.version += 1
-        self.trained_at.append(self.fresh_trained)
-        resume = self.s.sync.resume_s if self.partial else 0.0  # interrupted requests to resume
-        for e in self.engines:
-            for _, _, req in e.running:  # partial rollout: these continue with the new weights
-                req.versions.add(self.version)
-        if resume > 0:  # the engines wake up after the trainer has moved on
-            self.push(self.now + resume, "resumed")
-        else:
-            self.on_resumed(None, 0)
-        self.store.prune(self.version - self.cycle.tau_max, self.cycle.max_reuse)
-        self.rec.version(self)
-        if self.elastic is not None:
-            policies.elastic_step(self)
-        if self.tail is not None:
-            policies.tail_step(self)
-        self.wait_since = self.now
-        self.dispatch()
-        self.fill()
-        self.try_train()
-
-    def on_resumed(self, _obj, _token: int) -> None:
-        for e in self.engines:
-            e.t = self.now
-            e.paused -= 1
-            self.reschedule(e)
-        self.dispatch()
-        self.fill()
 
     def on_migrated(self, obj, _token: int) -> None:
         """A consolidated sequence lands on its target engine after re-prefilling its prefix."""

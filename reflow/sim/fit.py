@@ -4,7 +4,7 @@ Which parameters are free and what they are fitted to is data, in each calibrati
 (configs/sim/calibration/*.yaml): a dotted key, the scenario and mode whose simulated phase time it
 moves, and the published seconds it must hit. The fit is coordinate bisection: each key in turn is
 bisected (every phase time used is monotone in its key: a longer median response length lengthens
-generation, a higher decode efficiency shortens it), for a few rounds. The result is printed as YAML
+generation, a higher decode efficiency shortens it) to within 0.2% of its value, for a few rounds. The result is printed as YAML
 to paste into the calibration file; `--validate` never refits, it reads what the files say.
 """
 
@@ -49,9 +49,10 @@ def _terms(cal: dict[str, Any], where: Path) -> list[FitTerm]:
         raise ConfigError(f"{where}: fit: {e}") from None
 
 
-def _metric(data: dict[str, Any], term: FitTerm, steps: int) -> float:
+def _metric(data: dict[str, Any], term: FitTerm, steps: int | None) -> float:
     data = dict(data)
-    data["run"] = {**data.get("run", {}), "steps": steps, "warmup_steps": 1}
+    if steps is not None:
+        data["run"] = {**data.get("run", {}), "steps": steps, "warmup_steps": 1}
     if term.which == "baseline":
         data["mode"] = data["baseline"]
     s = validate_scenario(data, term.scenario)
@@ -61,11 +62,13 @@ def _metric(data: dict[str, Any], term: FitTerm, steps: int) -> float:
 def fit(
     calibration: str | Path,
     rounds: int = 3,
-    iters: int = 7,
-    steps: int = 3,
+    iters: int = 16,
+    rel_tol: float = 2e-3,
+    steps: int | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, float]:
-    """Fit the calibration file's free keys; returns key -> value."""
+    """Fit the calibration file's free keys; returns key -> value. Each phase time is simulated with the
+    scenario's own `run:` (as --validate runs it) unless `steps` shortens it."""
     path = Path(calibration).resolve()
     cal = yaml.safe_load(path.read_text()) or {}
     terms = _terms(cal, path)
@@ -74,8 +77,10 @@ def fit(
         for term in terms:
             base = _read_yaml((path.parent / term.scenario).resolve())
             lo, hi = term.lo, term.hi
-            for _ in range(iters):
+            for _ in range(iters):  # until the interval is within rel_tol of its middle
                 mid = (lo + hi) / 2
+                if hi - lo <= rel_tol * abs(mid) or (term.multiple_of and hi - lo < term.multiple_of):
+                    break
                 if term.multiple_of:
                     mid = max(term.multiple_of, round(mid / term.multiple_of) * term.multiple_of)
                 over = [f"{k}={v}" for k, v in {**values, term.key: mid}.items()]

@@ -1,4 +1,4 @@
-"""What a simulation reports, under the names the real runs use (reflow/recipes/train_parts.py
+"""What a simulation reports, under the names the real runs use (reflow/recipes/run_log.py
 `step_record` and `run_summary`): seconds_per_step, generated_tokens_per_s, trained_tokens_per_s,
 rollout_idle_ratio, trainer_idle_ratio, staleness_hist, reuse_hist, plus the simulator's own
 (steps_per_s, partial_ratio, the policy events). Per-step rates are steady-state: measured from the end
@@ -18,6 +18,9 @@ class Recorder:
     def __init__(self, n_engines: int) -> None:
         self.generated_tokens = 0.0
         self.trained_tokens = 0.0
+        self.processed_tokens = 0.0
+        self.resume_s: list[float] = []
+        self.steps_no_signal = 0
         self.samples_trained = 0
         self.samples_generated = 0
         self.trainer_busy_s = 0.0
@@ -49,8 +52,11 @@ class Recorder:
     def episode(self, seconds: float) -> None:
         self.episode_seconds.append(seconds)
 
-    def trained(self, plan, version: int, tokens: float, samples: int) -> None:
-        self.trained_tokens += tokens
+    def trained(self, plan, version: int, samples: int) -> None:
+        """A step starts on `plan`: its generated tokens are what the runs count as trained tokens
+        (the loss's tokens); the prompt and tool tokens it processes as well count separately."""
+        self.trained_tokens += sum(g.meta["generated"] for g in plan.groups)
+        self.processed_tokens += sum(g.meta["tokens"] for g in plan.groups)
         self.samples_trained += plan.size * samples
         self.groups_trained += plan.size
         self.replayed_groups += len(plan.replay)
@@ -63,6 +69,14 @@ class Recorder:
 
     def sync(self, seconds: float) -> None:
         self.sync_s.append(seconds)
+
+    def resume(self, seconds: float) -> None:
+        """An engine's pause after a partial-rollout sync (`TrainingSide.resume_pause`)."""
+        self.resume_s.append(seconds)
+
+    def no_signal(self) -> None:
+        """A sync step's rounds ended with no group with reward spread: no step taken."""
+        self.steps_no_signal += 1
 
     def event(self, record: dict[str, Any]) -> None:
         self.events.append(record)
@@ -91,6 +105,7 @@ class Recorder:
                 "wall_s": now,
                 "generated_tokens": self.generated_tokens,
                 "trained_tokens": self.trained_tokens,
+                "processed_tokens": self.processed_tokens,
                 "samples_trained": self.samples_trained,
                 "rollout_idle_ratio": idle_ratio(busy, alive),
                 "trainer_idle_ratio": idle_ratio(self.trainer_busy_s, now),
@@ -113,6 +128,7 @@ class Recorder:
                 "wall_s": 0.0,
                 "generated_tokens": 0.0,
                 "trained_tokens": 0.0,
+                "processed_tokens": 0.0,
                 "samples_trained": 0,
                 "_busy": (0.0, 0.0, 0.0),
             }
@@ -134,6 +150,7 @@ class Recorder:
             "steps_per_s": n / window,
             "generated_tokens_per_s": (last["generated_tokens"] - first["generated_tokens"]) / window,
             "trained_tokens_per_s": (last["trained_tokens"] - first["trained_tokens"]) / window,
+            "processed_tokens_per_s": (last["processed_tokens"] - first["processed_tokens"]) / window,
             "samples_per_s": (last["samples_trained"] - first["samples_trained"]) / window,
             "rollout_idle_ratio": idle_ratio(busy1 - busy0, alive1 - alive0),
             "trainer_idle_ratio": idle_ratio(train1 - train0, window),
@@ -144,6 +161,8 @@ class Recorder:
             "replay_fraction": self.replayed_groups / max(1, self.groups_trained),
             "partial_ratio": self.partial_groups / max(1, self.groups_trained),
             "sync_s_mean": sum(self.sync_s) / max(1, len(self.sync_s)),
+            "resume_s_mean": sum(self.resume_s) / max(1, len(self.resume_s)),
+            "steps_no_signal": self.steps_no_signal,
             "trainer_wait_s": sum(r["trainer_wait_s"] for r in steps[warm:]) / n,
             "train_s": sum(r["train_s"] for r in steps[warm:]) / n,
             "group_seconds_p50": _quantile(self.group_seconds, 0.5),

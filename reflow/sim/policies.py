@@ -58,8 +58,12 @@ def admission_for(m: ModeConfig, groups_per_step: int) -> tuple[AdmissionControl
 # ---- elastic pool
 
 
-def make_elastic(s: Scenario) -> ElasticPolicy:
-    return ElasticPolicy(ElasticConfig(initial_change_cost_s=role_change_s(s.sync)))
+def make_elastic(s: Scenario, m: ModeConfig) -> ElasticPolicy:
+    """The elastic policy with the mode's `elastic_config` (the first change priced at the cost model's
+    role change unless the config says otherwise)."""
+    return ElasticPolicy(
+        ElasticConfig(**{"initial_change_cost_s": role_change_s(s.sync), **m.elastic_config})
+    )
 
 
 def elastic_step(sim: Simulation) -> None:
@@ -149,12 +153,61 @@ def _evacuate(sim: Simulation, engine) -> None:
 # ---- tail scheduler
 
 
-def make_tail(s: Scenario) -> TailPolicy:
-    return TailPolicy(TailConfig())
+RUNTIME_TAIL = {"migrate": False, "set_concurrency": False}
+"""TailConfig settings of what the runtime's Ray loop applies (reflow/recipes/loop_sched.py `TailGate`):
+over-provisioning and carry-over; its workers report no per-episode progress, so no migration or
+concurrency limit."""
+
+
+def make_tail(m: ModeConfig) -> TailPolicy:
+    return TailPolicy(TailConfig(**m.tail_config))
+
+
+class TailGateCache:
+    """The tail gate's last answer, by what it depends on (fresh groups with spread, groups in flight,
+    completed group durations seen), so the policy is asked once per change, as the runtime asks it
+    once per wake-up of its loop."""
+
+    def __init__(self) -> None:
+        self.key: tuple[int, int, int] | None = None
+        self.room = 0
+        self.quantiles: Quantiles | None = None
+        self.seen = -1
+
+
+def tail_room(sim: Simulation) -> int:
+    """How many more groups the batch being collected may start, as the runtime's tail gate
+    (reflow/recipes/loop_sched.py `TailGate`) reads TailPolicy: the `start` of its OverProvision
+    (at most B + delta groups done or in flight), 0 when it asks for none (B done: carry over).
+    The observation is the runtime's: one entry per group in flight, no per-episode progress."""
+    cache = sim.tail_gate
+    seen = len(sim.rec.group_seconds)
+    if seen != cache.seen:  # groups arrived: the tail's quantiles move
+        cache.quantiles, cache.seen = Quantiles.observed(sim.rec.group_seconds), seen
+    in_flight = sim.store.in_flight_groups()
+    done = sim.store.reuse_histogram(spread=True).get(0, 0)  # fresh groups with spread, not trained
+    key = (done, len(in_flight), seen)
+    if key == cache.key:
+        return cache.room
+    obs = TailObservation(
+        batch_target=sim.B,
+        groups_done=done,
+        episodes=tuple(InFlightEpisode(gid, gid, "pool", 0, 0, 0.0) for gid in in_flight),
+        engines=(EngineState("pool", len(in_flight), max(1, len(in_flight))),),
+        group_seconds=cache.quantiles,
+    )
+    room = next((a.start for a in sim.tail.decide(obs) if isinstance(a, OverProvision)), 0)
+    cache.key, cache.room = key, room
+    return room
 
 
 def tail_step(sim: Simulation) -> None:
-    """Ask TailPolicy about the running batch and apply its actions."""
+    """Ask TailPolicy about the running batch at the level of sequences and apply its engine-level
+    actions (consolidation, concurrency limits; reflow/recipes's loop does not apply these yet, and a
+    run's `tail:` section can switch them off); over-provisioning is the gate (`tail_room`)."""
+    cfg = sim.tail.cfg
+    if not (getattr(cfg, "migrate", True) or getattr(cfg, "set_concurrency", True)):
+        return
     if sim.store.in_flight() > max(8, sim.B // 4) and sim.rec.steps:
         return  # no tail yet: most of the batch is still running
     now, engines = sim.now, {f"e{e.eid}": e for e in sim.engines if e.alive}
@@ -188,7 +241,7 @@ def tail_step(sim: Simulation) -> None:
     for action in sim.tail.decide(obs):
         sim.rec.event({"kind": action.kind, "t": now, "version": sim.version, "reason": action.reason})
         if isinstance(action, OverProvision):
-            sim.extra_room = max(sim.extra_room, action.start - obs.next_batch_room)
+            pass  # the gate (`tail_room`) applies it
         elif isinstance(action, SetConcurrency):
             engines[action.engine].max_running = action.concurrency
             sim.recount()

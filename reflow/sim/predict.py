@@ -1,6 +1,7 @@
 """The standard comparison of a scenario (`reflow simulate --config X --predict`): sync, async at eta 1
 and 2, reflow with the static split (dual cycle only) and reflow in full (plus the elastic pool and
-the tail scheduler), all on the same GPUs. Results are simulated, and say so wherever they are printed.
+the tail scheduler), all on the same GPUs; the same at each value of one key (`--sweep KEY=v1,v2`), and
+the plot of several scenarios (`--plot PNG`). Results are simulated, and say so wherever they are printed.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from typing import Any
 
 from reflow.sim.config import ModeConfig, Scenario
 from reflow.sim.engine import simulate
+from reflow.sim.policies import RUNTIME_TAIL
 
 COLUMNS = (
     "seconds_per_step",
@@ -23,14 +25,16 @@ COLUMNS = (
 
 
 def standard_modes(s: Scenario) -> dict[str, ModeConfig]:
-    """The five modes, keeping the scenario's split and reflow cycle settings."""
-    base = s.mode.model_dump(exclude={"mode", "eta", "staleness_threshold", "elastic", "tail"})
+    """The five modes, keeping the scenario's split and reflow cycle settings; reflow full's tail does
+    what the runtime's loop does (`policies.RUNTIME_TAIL`) unless the scenario's tail_config says more."""
+    base = s.mode.model_dump(exclude={"mode", "eta", "staleness_threshold", "elastic", "tail", "tail_config"})
+    tail = {**RUNTIME_TAIL, **s.mode.tail_config}
     return {
         "sync": ModeConfig(mode="sync"),
         "async eta=1": ModeConfig(**base, mode="async", eta=1),
         "async eta=2": ModeConfig(**base, mode="async", eta=2),
         "reflow static": ModeConfig(**base, mode="reflow", eta=1),
-        "reflow full": ModeConfig(**base, mode="reflow", eta=1, elastic=True, tail=True),
+        "reflow full": ModeConfig(**base, mode="reflow", eta=1, elastic=True, tail=True, tail_config=tail),
     }
 
 
@@ -56,3 +60,57 @@ def markdown(s: Scenario, rows: dict[str, dict[str, Any]]) -> str:
             f"{r['trainer_idle_ratio']:.2f} | {r['staleness_mean']:.2f} | {r['replay_fraction']:.2f} |"
         )
     return "\n".join(lines)
+
+
+def sweep(
+    path: str, overrides: list[str], key: str, values: list[str]
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """The standard comparison at each value of one scenario key (e.g. the response-length sigma, the
+    reuse cap mode.cycle.max_reuse): value -> mode name -> summary."""
+    from reflow.sim.config import load_scenario
+
+    return {v: predict(load_scenario(path, [*overrides, f"{key}={v}"])) for v in values}
+
+
+def sweep_markdown(key: str, rows: dict[str, dict[str, dict[str, Any]]]) -> str:
+    lines = [
+        f"| {key} | mode | trained tok/s | vs sync | s/step | rollout idle | trainer idle | staleness | replay |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for value, by_mode in rows.items():
+        sync = by_mode["sync"]["trained_tokens_per_s"]
+        for name, r in by_mode.items():
+            lines.append(
+                f"| {value} | {name} | {r['trained_tokens_per_s']:.0f} | {r['trained_tokens_per_s'] / sync:.2f}x | "
+                f"{r['seconds_per_step']:.1f} | {r['rollout_idle_ratio']:.2f} | {r['trainer_idle_ratio']:.2f} | "
+                f"{r['staleness_mean']:.2f} | {r['replay_fraction']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict[str, dict[str, Any]]], path: str) -> None:
+    """Grouped bars: trained tokens/s of each mode relative to sync, per scenario (labelled simulated)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    modes = list(next(iter(results.values())))
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    width = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
+        ys = [
+            results[n][mode]["trained_tokens_per_s"] / results[n]["sync"]["trained_tokens_per_s"]
+            for n in names
+        ]
+        ax.bar([x + (i - (len(modes) - 1) / 2) * width for x in range(len(names))], ys, width, label=mode)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks(range(len(names)), [n.replace("qwen3-", "") for n in names], fontsize=8)
+    ax.set_ylabel("trained tokens/s vs sync")
+    ax.set_title("reflow simulate --predict (simulated, not measured)", fontsize=10)
+    ax.legend(fontsize=7, ncol=len(modes), loc="upper left")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

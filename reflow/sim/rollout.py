@@ -41,7 +41,11 @@ class GroupState:
     started_at: float
     tokens: int = 0
     """Prompt + generated + tool tokens of all its samples: what a train step over it processes."""
+    generated: int = 0
+    """Generated tokens of all its samples: what the runs count as trained tokens (the loss's)."""
     partial: bool = False
+    zero: bool | None = None
+    """Whether it has no reward spread, when the sampler knows (a stored group); None: draw it."""
 
 
 class Engine:
@@ -59,6 +63,7 @@ class Engine:
         self.busy_s = 0.0
         self.max_running = dm.max_running
         self.reserved = 0.0  # sum over running of their turn's final context
+        self.pressure = 1.0  # factor on the per-sequence term (KV pressure: preemption and recompute)
 
     @property
     def b(self) -> int:
@@ -69,7 +74,8 @@ class Engine:
 
     def _ab(self) -> tuple[float, float]:
         dm, b = self.dm, self.b
-        return dm.k * b / 2, dm.weights_s(b) + dm.per_seq_s * b + dm.k * self.base + dm.k * b * self.S
+        per_seq = dm.per_seq_s * self.pressure
+        return dm.k * b / 2, dm.weights_s(b) + per_seq * b + dm.k * self.base + dm.k * b * self.S
 
     def advance(self, now: float) -> None:
         dt = now - self.t

@@ -57,6 +57,12 @@ class SimStore:
     def end_group(self, group_id: str) -> None:
         self._in_flight.pop(group_id, None)
 
+    def discard_fresh(self) -> None:
+        """Forget the fresh groups (the sync loop's spares: a sync step trains only groups of its own
+        weights, so the ones it did not need are never trained); they stay in the histogram at 0 uses,
+        as they stay unconsumed in a run's store."""
+        self._fresh.clear()
+
     def prune(self, min_version: int, max_reuse: int) -> None:
         """Forget replay candidates that no later query can return (older than min_version or used
         max_reuse times): only to keep queries cheap; the histogram keeps counting them."""
