@@ -7,7 +7,6 @@ not training), so success-vs-time curves of different modes compare what each mo
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -15,7 +14,7 @@ from typing import Any
 
 from reflow.config import RunConfig
 from reflow.rollout.collect import EVAL_SEED_BASE
-from reflow.sched.tasks import LearnabilityFilter
+from reflow.sched.tasks import LearnabilityFilter, round_size
 from reflow.sched.workers import GroupReport
 
 
@@ -120,8 +119,7 @@ def observe_tasks(
 
 def spread_round_size(want: int, missing: int, reports: list[GroupReport]) -> int:
     """How many groups to generate for `missing` groups with reward spread, from the spread rate so far."""
-    rate = sum(r.has_spread for r in reports) / len(reports) if reports else 1.0
-    return min(2 * want, math.ceil(missing / max(rate, 0.25)))
+    return round_size(want, missing, sum(r.has_spread for r in reports), len(reports))
 
 
 def out_of_time(budget_s: float | None, now_s: float, next_s: float = 0.0) -> bool:

@@ -20,6 +20,7 @@ is a plain dict of plain values (`stats`), so a run can checkpoint it with its r
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -117,3 +118,15 @@ class LearnabilityFilter:
             chosen.append(pool.pop(i))
             weights.pop(i)
         return chosen
+
+
+ROUND_SPREAD_FLOOR = 0.25
+"""The sync loop sizes a resample round as if at least this share of groups had reward spread."""
+
+
+def round_size(want: int, missing: int, spread: int, generated: int) -> int:
+    """Groups for the next sync-loop round: enough for `missing` groups with reward spread at the
+    spread rate so far (`spread` of `generated` groups), at most 2 x `want`. The runtime's sync loop
+    and the simulator both call this one."""
+    rate = spread / generated if generated else 1.0
+    return min(2 * want, math.ceil(missing / max(rate, ROUND_SPREAD_FLOOR)))

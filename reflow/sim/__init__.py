@@ -2,7 +2,10 @@
 in simulated time, at cluster sizes this machine cannot reach.
 
 `config` (scenario YAML), `costs` (the cost model), `store` (the replay store's query surface in memory),
-`engine` (the discrete-event core), `policies` (the seam to the runtime's policy objects), `metrics`
-(the run-metric names), `validate` (published targets), `cli` (`reflow simulate`). Imports no Ray,
-torch or engine code: it runs anywhere the core installs.
+`engine` (the discrete-event core and the rollout side), `training` (train steps, syncs, resumes, the sync
+loop's rounds), `rollout` (engines and requests), `policies` (the seam to the runtime's policy objects),
+`metrics` (the run-metric names), `validate` and `fit` (published targets), `measured` and `from_run`
+(a finished run's costs in, its figures predicted), `predict` and `plan` (comparisons, sweeps, the
+planner), `cli` (`reflow simulate`). Imports no Ray, torch or engine code: it runs anywhere the core
+installs.
 """

@@ -109,6 +109,12 @@ def plot(results: dict[str, dict[str, dict[str, Any]]], path: str) -> None:
     ax.set_xticks(range(len(names)), [n.replace("qwen3-", "") for n in names], fontsize=8)
     ax.set_ylabel("trained tokens/s vs sync")
     ax.set_title("reflow simulate --predict (simulated, not measured)", fontsize=10)
+    top = max(
+        r[m]["trained_tokens_per_s"] / r["sync"]["trained_tokens_per_s"]
+        for r in results.values()
+        for m in modes
+    )
+    ax.set_ylim(0, top * 1.25)
     ax.legend(fontsize=7, ncol=len(modes), loc="upper left")
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()

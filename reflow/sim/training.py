@@ -15,22 +15,11 @@ those that came back without reward spread.
 
 from __future__ import annotations
 
-import math
-
 from reflow.replay.cycle import consume, plan_batch
+from reflow.sched.tasks import round_size
 from reflow.sim import policies
 from reflow.sim.costs import sync_s, train_s
-
-ROUND_SPREAD_FLOOR = 0.25
-"""The sync loop sizes a resample round as if at least this share of groups had reward spread."""
-
-
-def round_size(want: int, missing: int, spread: int, generated: int) -> int:
-    """Groups for the next sync-loop round: enough for `missing` groups with spread at the spread
-    rate so far (spread / generated), at most 2 x want; the runtime's `spread_round_size` (a test
-    keeps the two equal)."""
-    rate = spread / generated if generated else 1.0
-    return min(2 * want, math.ceil(missing / max(rate, ROUND_SPREAD_FLOOR)))
+from reflow.sim.rollout import Engine
 
 
 class SyncRounds:
@@ -179,14 +168,14 @@ class TrainingSide:
         self.fill()
         self.try_train()
 
-    def resume_pause(self, e) -> float:
+    def resume_pause(self, e: Engine) -> float:
         """Seconds an engine stays paused after a partial-rollout sync: nothing without interrupted
         requests; else the fixed wake-up (`sync.resume_s`) and the re-prefill of their contexts."""
         if not e.alive or not e.running:
             return 0.0
         return self.s.sync.resume_s + e.context() * self.dm.prefill_s_per_token
 
-    def on_resumed(self, e, _token: int) -> None:
+    def on_resumed(self, e: Engine, _token: int) -> None:
         e.t = self.now
         e.paused -= 1
         self.reschedule(e)
