@@ -155,7 +155,8 @@ def build_env(
     env = factory(**env_kwargs)
     if not isinstance(env, Env):
         raise TypeError(f"{env_entry_point} returned {type(env).__name__}, not a reflow.env.Env")
-    env.spec_id = env_id
+    if env.spec_id is None:  # a proxy names the env it plays (records say what was played, not how)
+        env.spec_id = env_id
     env = ContainErrors(env)
     if max_turns is not None:
         env = TurnLimit(env, max_turns)

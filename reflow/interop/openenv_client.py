@@ -138,25 +138,17 @@ class OpenEnvEnv(Env):
         super().__init__(tasks)
         self.url = (url or "").rstrip("/")
         self.name = name
+        self.spec_id = f"openenv/{name}" if name else None  # records name the served env
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.reset_kwargs = dict(reset_kwargs or {})
         self.observation_field = observation_field
         self.connect_timeout_s, self.message_timeout_s = connect_timeout_s, message_timeout_s
         self.capacity_wait_s = capacity_wait_s
-        self.registry_id: str | None = None
         self.mcp = False
         self.text_field: str | None = None
         self.episode_id: str | None = None
         self.done = False
         self._ws: ClientConnection | None = None
-
-    @property  # type: ignore[override]
-    def spec_id(self) -> str | None:
-        return f"openenv/{self.name}" if self.name else self.registry_id
-
-    @spec_id.setter
-    def spec_id(self, value: str | None) -> None:
-        self.registry_id = value
 
     # ---- tasks: a seed and reset kwargs ------------------------------------------------------------
     def pick_task(self, seed: int | None) -> Task:

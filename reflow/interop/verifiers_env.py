@@ -169,24 +169,16 @@ class VerifiersEnv(Env):
         super().__init__(tasks)
         self.python = python or os.environ.get(PYTHON_ENV_VAR, "")
         self.env_id = env_id or ""
+        self.spec_id = f"verifiers/{env_id}" if env_id else None  # records name the served env
         self.spec = {
             "env_id": env_id,
             "env_args": dict(env_args or {}),
             "paths": [str(p) for p in paths or []],
         }
         self.start_timeout_s, self.turn_timeout_s = start_timeout_s, turn_timeout_s
-        self.registry_id: str | None = None
         self.worker: VerifiersWorker | None = None
         self.rid: str | None = None
         self.prompt: list[Message] = []
-
-    @property  # type: ignore[override]
-    def spec_id(self) -> str | None:
-        return f"verifiers/{self.env_id}" if self.env_id else self.registry_id
-
-    @spec_id.setter
-    def spec_id(self, value: str | None) -> None:
-        self.registry_id = value
 
     def pick_task(self, seed: int | None) -> Task:
         if self.tasks:

@@ -94,6 +94,7 @@ class RemoteEnv(Env):
             raise ImportError("RemoteEnv(transport='ws') needs websockets (pip install websockets)")
         self.url = (url or os.environ.get(URL_ENV_VAR, "")).rstrip("/")
         self.remote_id = env_id
+        self.spec_id = env_id  # records name the served env (reflow/Calc-v0), not the proxy
         if token is None and token_file is not None:
             token = Path(token_file).read_text(encoding="utf-8").strip()
         self.token = token if token is not None else os.environ.get(TOKEN_ENV_VAR) or None
@@ -105,17 +106,7 @@ class RemoteEnv(Env):
         self.session_id: str | None = None
         self.turn_index = 0
         self.done = False
-        self.registry_id: str | None = None
         self._local_env: Env | None = None
-
-    # Records name the served env (reflow/Calc-v0), not the proxy; the registry id is kept aside.
-    @property  # type: ignore[override]
-    def spec_id(self) -> str | None:
-        return self.remote_id or self.registry_id
-
-    @spec_id.setter
-    def spec_id(self, value: str | None) -> None:
-        self.registry_id = value
 
     # ---- the API -------------------------------------------------------------------------------------
     async def reset(self, *, task: Task | None = None, seed: int | None = None) -> Observation:
