@@ -11,9 +11,10 @@ table's last columns count role changes (and their measured cost) and tail actio
 Every run gets the same wall-clock training budget (evaluation excluded: weights are snapshotted at
 each evaluation point and evaluated after the run, so evaluation never competes with training) and
 starts from the same cached warm start. Time to target is the training time at the first held-out
-evaluation at or above the target success (default: the start plus 90% of the smallest gain among
-the modes, so that every mode can reach it and the comparison is about speed; none when no mode gained
-more than one standard error of the start's success rate; see `default_target`).
+evaluation at or above a target, and the targets are fixed before the measured runs: `--target X`,
+or (the default) a pilot run of mode sync on a seed outside the measured ones, whose gain at the
+budget sets three targets, start + 50%, 75% and 90% of it (`pilot_targets`), written to
+`OUT/targets.json` before the first measured run.
 """
 
 from __future__ import annotations
@@ -49,6 +50,45 @@ def variants(ablations: bool) -> list[tuple[str, str, list[str]]]:
     return rows
 
 
+def run_one(
+    config_path: str, name: str, mode: str, seed: int, extra: list[str], budget_minutes: float, out_dir: Path,
+    log: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """One run of the benchmark (a fresh run dir named after the row and seed): its summary, step and
+    evaluation records."""
+    from reflow.config import load_config
+    from reflow.recipes.agent_train import train
+    from reflow.recipes.run_log import read_metrics
+
+    config = load_config(
+        config_path,
+        [
+            *extra,
+            f"mode={mode}",
+            f"seed={seed}",
+            f"run_name=bench-{name}-seed{seed}",
+            f"out_dir={out_dir}",
+            f"train.seconds={budget_minutes * 60}",
+            "train.steps=100000",
+            "eval.deferred=true",
+        ],
+    )
+    shutil.rmtree(config.run_dir, ignore_errors=True)  # a rerun starts clean
+    log(f"[bold]bench[/bold] {name} seed {seed}: {budget_minutes} min budget")
+    summary = train(config)
+    steps = read_metrics(config.run_dir, "step")
+    evals = read_metrics(config.run_dir, "eval")
+    return {"mode": name, "seed": seed, "summary": summary, "steps": steps, "evals": evals}
+
+
+def run_pilot(
+    config_path: str, seeds: int, budget_minutes: float, out_dir: Path, overrides: list[str], log: Any
+) -> dict[str, Any]:
+    """Mode sync on seed `seeds`, one past the measured ones, so the target is not fitted to them."""
+    plain = dict((name, extra) for name, _, extra in variants(False))["sync"]
+    return run_one(config_path, "pilot", "sync", seeds, [*overrides, *plain], budget_minutes, out_dir, log)
+
+
 def run_modes(
     config_path: str,
     seeds: int,
@@ -58,34 +98,11 @@ def run_modes(
     log: Any,
     ablations: bool = False,
 ) -> list[dict[str, Any]]:
-    from reflow.config import load_config
-    from reflow.recipes.agent_train import train
-    from reflow.recipes.run_log import read_metrics
-
-    results = []
-    for seed in range(seeds):
-        for name, mode, extra in variants(ablations):
-            config = load_config(
-                config_path,
-                [
-                    *overrides,
-                    *extra,
-                    f"mode={mode}",
-                    f"seed={seed}",
-                    f"run_name=bench-{name}-seed{seed}",
-                    f"out_dir={out_dir}",
-                    f"train.seconds={budget_minutes * 60}",
-                    "train.steps=100000",
-                    "eval.deferred=true",
-                ],
-            )
-            shutil.rmtree(config.run_dir, ignore_errors=True)  # a rerun starts clean
-            log(f"[bold]bench[/bold] {name} seed {seed}: {budget_minutes} min budget")
-            summary = train(config)
-            steps = read_metrics(config.run_dir, "step")
-            evals = read_metrics(config.run_dir, "eval")
-            results.append({"mode": name, "seed": seed, "summary": summary, "steps": steps, "evals": evals})
-    return results
+    return [
+        run_one(config_path, name, mode, seed, [*overrides, *extra], budget_minutes, out_dir, log)
+        for seed in range(seeds)
+        for name, mode, extra in variants(ablations)
+    ]
 
 
 def _mean_std(values: list[float]) -> str:
@@ -119,61 +136,70 @@ def start_noise(results: list[dict[str, Any]]) -> float:
     return math.sqrt(p * (1 - p) / n) if n else 0.0
 
 
-def default_target(results: list[dict[str, Any]]) -> float | None:
-    """Start + 90% of the smallest mean gain (best held-out success - start) among the modes, so that
-    every mode can reach it and the comparison is about speed; when a mode did not improve, 90% of the
-    largest gain (that mode then shows "not reached"); None when no mode improved on the start by more
-    than the evaluation's noise (`start_noise`), as time to such a target would measure nothing."""
-    gains = {
-        mode: statistics.fmean(
-            max(e["success_rate"] for e in r["evals"]) - r["evals"][0]["success_rate"]
-            for r in results
-            if r["mode"] == mode
-        )
-        for mode in ROWS
-        if any(r["mode"] == mode for r in results)
-    }
-    start = statistics.fmean(r["evals"][0]["success_rate"] for r in results)
-    noise = start_noise(results)
-    real = [g for g in gains.values() if g > noise]
-    if not real:
+GAIN_SHARES = (0.5, 0.75, 0.9)
+"""The pilot's gain shares that set the targets (time to 50%, 75% and 90% of the gain)."""
+
+
+def pilot_targets(pilot: dict[str, Any], shares: tuple[float, ...] = GAIN_SHARES) -> dict[str, float] | None:
+    """Targets from a pilot run, fixed before the measured runs: {"50%": start + 0.5 gain, ...} with gain
+    = held-out success at the budget (the last evaluation) - the start; None when the gain is within
+    the evaluation's noise (`start_noise`), where time to such a target would measure nothing."""
+    start, end = pilot["evals"][0]["success_rate"], pilot["evals"][-1]["success_rate"]
+    if end - start <= start_noise([pilot]):
         return None
-    gain = min(real) if len(real) == len(gains) else max(real)
-    return round(start + 0.9 * gain, 3)
+    return {f"{share:.0%}": round(start + share * (end - start), 3) for share in shares}
 
 
-def table(results: list[dict[str, Any]], target: float | None, budget_minutes: float) -> str:
+def _times(runs: list[dict[str, Any]], target: float) -> list[float | None]:
     from reflow.recipes.run_log import time_to_target
 
+    return [time_to_target(r["evals"], target) for r in runs]
+
+
+def table(results: list[dict[str, Any]], targets: dict[str, float] | None, budget_minutes: float) -> str:
+    """The Markdown table: per row, time to each target (seeds that reached it, n shown), held-out at
+    the budget, throughput, idle ratios, staleness/reuse/IS columns and the elastic/tail counters; then
+    how much sooner than sync each row reached each target (ratio of the mean times)."""
+    targets = targets or {}
     aim = (
-        f"Target held-out success: {target:.3f}"
-        if target is not None
-        else f"No mode improved on the start by more than the evaluation's noise (±{start_noise(results):.3f}):"
-        " time to target not measured"
+        "Targets held-out success, fixed before the runs: "
+        + ", ".join(f"{label} {value:.3f}" for label, value in targets.items())
+        if targets
+        else f"No target: the pilot did not improve on its start by more than the evaluation's noise"
+        f" (±{start_noise(results):.3f}); time to target not measured"
     )
+    head = [c for label in targets for c in (f"time to {label} (s)", f"reached {label}")]
+    tail = [
+        "held-out at budget", "start", "gen tok/s", "trained tok/s", "rollout idle", "trainer idle",
+        "staleness mean", "reuse (mean uses/group)", "IS w mean", "IS w max", "masked frac", "steps",
+        "role changes", "role change s", "over-provisioned", "carried over", "migrations",
+    ]  # fmt: skip
+    columns = ["mode", *head, *tail]
     rows = [
         f"{aim}; budget {budget_minutes:g} min of training per run; "
-        f"mean ± std over {len({r['seed'] for r in results})} seeds (time to target: seeds that reached it, n shown).",
+        f"mean ± std over {len({r['seed'] for r in results})} seeds.",
         "",
-        "| mode | time to target (s) | reached | held-out at budget | start | gen tok/s | trained tok/s "
-        "| rollout idle | trainer idle | staleness mean | reuse (mean uses/group) | IS w mean | IS w max "
-        "| masked frac | steps | role changes | role change s | over-provisioned | carried over "
-        "| migrations |",
-        "| --- " * 20 + "|",
+        "| " + " | ".join(columns) + " |",
+        "| --- " * len(columns) + "|",
     ]
+    mean_time: dict[tuple[str, str], float] = {}
     for mode in ROWS:
         runs = [r for r in results if r["mode"] == mode]
         if not runs:
             continue
-        times = [time_to_target(r["evals"], target) if target is not None else None for r in runs]
+        reached = []
+        for label, target in targets.items():
+            times = [t for t in _times(runs, target) if t is not None]
+            if times:
+                mean_time[mode, label] = statistics.fmean(times)
+            reached += [_mean_std(times), f"{len(times)}/{len(runs)}"]
         reuse = []
         for r in runs:
             hist = {int(k): v for k, v in r["summary"]["reuse_hist"].items() if int(k) > 0}
             reuse.append(sum(k * v for k, v in hist.items()) / max(1, sum(hist.values())))
         cells = [
             mode,
-            _mean_std([t for t in times if t is not None]),
-            f"{sum(t is not None for t in times)}/{len(runs)}" if target is not None else "-",
+            *reached,
             _mean_std([r["evals"][-1]["success_rate"] for r in runs]),
             _mean_std([r["evals"][0]["success_rate"] for r in runs]),
             _mean_std([r["summary"]["generated_tokens_per_s"] for r in runs]),
@@ -189,10 +215,23 @@ def table(results: list[dict[str, Any]], target: float | None, budget_minutes: f
             *(_mean_std([r["summary"].get(key, 0) for r in runs]) for key in COUNTS),
         ]
         rows.append("| " + " | ".join(cells) + " |")
+    sooner = [
+        f"{mode} {mean_time['sync', label] / mean_time[mode, label]:.2f}x at {label}"
+        for label in targets
+        for mode in ROWS
+        if mode != "sync" and (mode, label) in mean_time and mean_time.get(("sync", label))
+    ]
+    if sooner:
+        rows += [
+            "",
+            "Sooner than sync (sync's mean time / the row's, seeds that reached it): "
+            + "; ".join(sooner)
+            + ".",
+        ]
     return "\n".join(rows) + "\n"
 
 
-def plot(results: list[dict[str, Any]], out: Path, target: float | None) -> Path:
+def plot(results: list[dict[str, Any]], out: Path, targets: dict[str, float] | None) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -224,8 +263,9 @@ def plot(results: list[dict[str, Any]], out: Path, target: float | None) -> Path
             alpha=0.6,
             label=label,
         )
-    if target is not None:
-        axes[0].axhline(target, color="grey", linestyle="--", linewidth=1, label="target")
+    for label, target in (targets or {}).items():
+        axes[0].axhline(target, color="grey", linestyle="--", linewidth=1)
+        axes[0].annotate(label, (0, target), color="grey", fontsize=8, va="bottom")
     from reflow.recipes.run_log import eval_kind
 
     axes[0].set(
@@ -252,7 +292,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--budget-minutes", type=float, default=4.0, help="training wall-clock per run")
-    p.add_argument("--target", type=float, help="held-out success target (default: see module docs)")
+    p.add_argument(
+        "--target",
+        type=float,
+        help="held-out success target fixed by hand (default: three from a sync pilot run, see the module docs)",
+    )
     p.add_argument("--out", default="runs/bench-modes")
     p.add_argument(
         "--ablations",
@@ -262,7 +306,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--report-only",
         action="store_true",
-        help="rebuild the table and plot from OUT/bench_modes.json (e.g. with another --target), no runs",
+        help="rebuild the table and plot from OUT/bench_modes.json (e.g. with a --target fixed by hand), no runs",
     )
     p.set_defaults(fn=cmd_bench_modes)
 
@@ -275,17 +319,25 @@ def cmd_bench_modes(args: argparse.Namespace) -> int:
     budget = args.budget_minutes
     if args.report_only:
         saved = json.loads((out / "bench_modes.json").read_text())
-        results, budget = saved["results"], saved.get("budget_minutes", budget)
+        results, budget, targets = saved["results"], saved.get("budget_minutes", budget), saved.get("targets")
+        if args.target is not None:
+            targets = {"target": args.target}
     else:
+        if args.target is not None:
+            targets, pilot = {"target": args.target}, None
+        else:
+            pilot = run_pilot(args.config, args.seeds, budget, out, args.overrides, console.print)
+            targets = pilot_targets(pilot)
+        (out / "targets.json").write_text(json.dumps({"targets": targets, "pilot": pilot}, default=str))
+        console.print(f"targets (fixed before the measured runs): {targets}")
         results = run_modes(
             args.config, args.seeds, budget, out, args.overrides, console.print, args.ablations
         )
-    target = args.target if args.target is not None else default_target(results)
-    markdown = table(results, target, budget)
+    markdown = table(results, targets, budget)
     (out / "bench_modes.md").write_text(markdown)
-    report = {"target": target, "budget_minutes": budget, "results": results}
+    report = {"targets": targets, "budget_minutes": budget, "results": results}
     (out / "bench_modes.json").write_text(json.dumps(report, default=str))
-    png = plot(results, out, target)
+    png = plot(results, out, targets)
     console.print(markdown)
     console.print(f"table: {out / 'bench_modes.md'}, plot: {png}")
     return 0
