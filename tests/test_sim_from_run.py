@@ -39,7 +39,7 @@ def _truth(mode: str, store: Path):
     else:
         m.update(rollout_gpus=1, eta=1)
     if mode == "reflow":
-        m.update(tail=True, elastic=True, tail_config={"migrate": False, "set_concurrency": False})
+        m.update(tail=True, elastic=True, tail_config={})
     return validate_scenario(
         {
             "gpus": 1 if mode == "sync" else 2,

@@ -19,7 +19,6 @@ from typing import Any
 from reflow.sim.config import Scenario, validate_scenario
 from reflow.sim.engine import simulate
 from reflow.sim.measured import FIGURES, RunMeasurement
-from reflow.sim.policies import RUNTIME_TAIL
 
 TOLERANCE = 0.15
 SEEDS = 5
@@ -49,8 +48,7 @@ def scenario_for(m: RunMeasurement, seed: int = 0) -> Scenario:
     sync = m.mode == "sync"
     gpus = n_rollout if sync else n_rollout + n_train
     train_gpus = gpus if sync else n_train
-    # the run's tail settings, with only the actions the runtime's loop applies
-    tail = {**_known(TailConfig, cfg.get("tail") or {}), **RUNTIME_TAIL}
+    tail = _known(TailConfig, cfg.get("tail") or {})  # the run's own: what its runtime applied
     mode: dict[str, Any] = {
         "mode": m.mode,
         "eta": int(replay.get("eta", 1)) if not sync else None,

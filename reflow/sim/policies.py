@@ -153,10 +153,11 @@ def _evacuate(sim: Simulation, engine) -> None:
 # ---- tail scheduler
 
 
-RUNTIME_TAIL = {"migrate": False, "set_concurrency": False}
-"""TailConfig settings of what the runtime's Ray loop applies (reflow/recipes/loop_sched.py `TailGate`):
-over-provisioning and carry-over; its workers report no per-episode progress, so no migration or
-concurrency limit."""
+SGLANG_TAIL = {"migrate": False, "set_concurrency": False}
+"""TailConfig settings of what the Ray runtime applies on SGLang engines: over-provisioning and
+carry-over only, as SGLang's health reports no token counters, so the runtime has no prefill rate to
+price a migration and no (concurrency, tokens/s) curve to set a limit from (reflow.sched.tail_runtime).
+On TorchEngine it applies all four actions, and `--from-run` keeps a run's own settings."""
 
 
 def make_tail(m: ModeConfig) -> TailPolicy:
@@ -203,8 +204,9 @@ def tail_room(sim: Simulation) -> int:
 
 def tail_step(sim: Simulation) -> None:
     """Ask TailPolicy about the running batch at the level of sequences and apply its engine-level
-    actions (consolidation, concurrency limits; reflow/recipes's loop does not apply these yet, and a
-    run's `tail:` section can switch them off); over-provisioning is the gate (`tail_room`)."""
+    actions (consolidation, concurrency limits, as the Ray runtime's `reflow.sched.tail_runtime` does;
+    `tail.migrate` / `tail.set_concurrency` switch them off); over-provisioning is the gate
+    (`tail_room`)."""
     cfg = sim.tail.cfg
     if not (getattr(cfg, "migrate", True) or getattr(cfg, "set_concurrency", True)):
         return
@@ -234,7 +236,9 @@ def tail_step(sim: Simulation) -> None:
         engines=tuple(states),
         group_seconds=Quantiles.observed(sim.rec.group_seconds),
         episode_seconds=Quantiles.observed(sim.rec.episode_seconds),
-        prefill_tokens_per_s=1.0 / sim.dm.prefill_s_per_token,
+        # 0: no prefill rate known (a `--from-run` engine folds prefill into its measured rate), so no
+        # migration is priced, as on a runtime engine whose health reports no prefill counters
+        prefill_tokens_per_s=1.0 / sim.dm.prefill_s_per_token if sim.dm.prefill_s_per_token > 0 else 0.0,
         groups_queued=len({r.group.gid for r in sim.queue}),
         next_batch_room=sim.admission_room(),
     )

@@ -10,7 +10,7 @@ from typing import Any
 
 from reflow.sim.config import ModeConfig, Scenario
 from reflow.sim.engine import simulate
-from reflow.sim.policies import RUNTIME_TAIL
+from reflow.sim.policies import SGLANG_TAIL
 
 COLUMNS = (
     "seconds_per_step",
@@ -26,9 +26,11 @@ COLUMNS = (
 
 def standard_modes(s: Scenario) -> dict[str, ModeConfig]:
     """The five modes, keeping the scenario's split and reflow cycle settings; reflow full's tail does
-    what the runtime's loop does (`policies.RUNTIME_TAIL`) unless the scenario's tail_config says more."""
+    what the Ray runtime does on the GPU clusters predicted here, whose engines are SGLang
+    (`policies.SGLANG_TAIL`: no migration, no concurrency limit), unless the scenario's tail_config
+    says more."""
     base = s.mode.model_dump(exclude={"mode", "eta", "staleness_threshold", "elastic", "tail", "tail_config"})
-    tail = {**RUNTIME_TAIL, **s.mode.tail_config}
+    tail = {**SGLANG_TAIL, **s.mode.tail_config}
     return {
         "sync": ModeConfig(mode="sync"),
         "async eta=1": ModeConfig(**base, mode="async", eta=1),
