@@ -309,7 +309,12 @@ class _PolicySection(_Section):
         return self.policy_config_class(**self.model_dump(exclude={"enabled"}))
 
     def active(self, mode: str) -> bool:
-        return self.enabled if self.enabled is not None else mode == "reflow"
+        return policy_active(self.enabled, mode)
+
+
+def policy_active(enabled: bool | None, mode: str) -> bool:
+    """Whether a scheduler policy runs: `enabled` when set, else on in mode reflow only."""
+    return bool(enabled) if enabled is not None else mode == "reflow"
 
 
 def _policy_section(name: str, config_class: type, doc: str) -> type[_PolicySection]:

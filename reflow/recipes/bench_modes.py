@@ -35,16 +35,16 @@ ABLATIONS: dict[str, list[str]] = {
 """Rows of mode reflow with parts switched off: row name -> config overrides."""
 ROWS = (*MODES, *ABLATIONS)
 """Every row the table can have, in its order."""
+PLAIN = ["elastic.enabled=null", "tail.enabled=null"]
+"""Overrides of the sync and async rows (and the sync pilot): the mode as it is, the elastic pool and
+tail scheduler at their defaults (off outside reflow), whatever the config file switches on."""
 COUNTS = ("role_changes", "role_change_s", "tail_over_provisioned", "tail_carried_over", "tail_migrations")
 """Summary counters of the elastic pool and the tail scheduler (0 in runs that predate them)."""
 
 
 def variants(ablations: bool) -> list[tuple[str, str, list[str]]]:
     """(row name, mode, overrides) of each run per seed."""
-    # sync and async rows run the mode as it is: the elastic pool and tail scheduler are reflow's parts
-    # (null: each mode's default, off outside reflow), whatever the config file switches on
-    plain = ["elastic.enabled=null", "tail.enabled=null"]
-    rows = [(mode, mode, [] if mode == "reflow" else plain) for mode in MODES]
+    rows = [(mode, mode, [] if mode == "reflow" else PLAIN) for mode in MODES]
     if ablations:
         rows += [(name, "reflow", extra) for name, extra in ABLATIONS.items()]
     return rows
@@ -85,8 +85,7 @@ def run_pilot(
     config_path: str, seeds: int, budget_minutes: float, out_dir: Path, overrides: list[str], log: Any
 ) -> dict[str, Any]:
     """Mode sync on seed `seeds`, one past the measured ones, so the target is not fitted to them."""
-    plain = dict((name, extra) for name, _, extra in variants(False))["sync"]
-    return run_one(config_path, "pilot", "sync", seeds, [*overrides, *plain], budget_minutes, out_dir, log)
+    return run_one(config_path, "pilot", "sync", seeds, [*overrides, *PLAIN], budget_minutes, out_dir, log)
 
 
 def run_modes(
@@ -150,16 +149,12 @@ def pilot_targets(pilot: dict[str, Any], shares: tuple[float, ...] = GAIN_SHARES
     return {f"{share:.0%}": round(start + share * (end - start), 3) for share in shares}
 
 
-def _times(runs: list[dict[str, Any]], target: float) -> list[float | None]:
-    from reflow.recipes.run_log import time_to_target
-
-    return [time_to_target(r["evals"], target) for r in runs]
-
-
 def table(results: list[dict[str, Any]], targets: dict[str, float] | None, budget_minutes: float) -> str:
     """The Markdown table: per row, time to each target (seeds that reached it, n shown), held-out at
     the budget, throughput, idle ratios, staleness/reuse/IS columns and the elastic/tail counters; then
     how much sooner than sync each row reached each target (ratio of the mean times)."""
+    from reflow.recipes.run_log import time_to_target
+
     targets = targets or {}
     aim = (
         "Targets held-out success, fixed before the runs: "
@@ -189,7 +184,7 @@ def table(results: list[dict[str, Any]], targets: dict[str, float] | None, budge
             continue
         reached = []
         for label, target in targets.items():
-            times = [t for t in _times(runs, target) if t is not None]
+            times = [t for r in runs if (t := time_to_target(r["evals"], target)) is not None]
             if times:
                 mean_time[mode, label] = statistics.fmean(times)
             reached += [_mean_std(times), f"{len(times)}/{len(runs)}"]

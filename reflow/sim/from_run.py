@@ -16,6 +16,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from reflow.config import policy_active
 from reflow.sim.config import Scenario, validate_scenario
 from reflow.sim.engine import simulate
 from reflow.sim.measured import FIGURES, RunMeasurement
@@ -54,8 +55,8 @@ def scenario_for(m: RunMeasurement, seed: int = 0) -> Scenario:
         "eta": int(replay.get("eta", 1)) if not sync else None,
         "partial_rollout": True,  # engines swap weights between decode steps; requests continue
         "recompute_logprob": False,  # the measured train seconds include it
-        "elastic": _active(cfg.get("elastic"), m.mode),
-        "tail": _active(cfg.get("tail"), m.mode),
+        "elastic": policy_active((cfg.get("elastic") or {}).get("enabled"), m.mode),
+        "tail": policy_active((cfg.get("tail") or {}).get("enabled"), m.mode),
         "tail_config": tail,
         "elastic_config": _known(ElasticConfig, cfg.get("elastic") or {}),
         "groups_per_engine": max(1, max_batch // n),
@@ -100,12 +101,6 @@ def scenario_for(m: RunMeasurement, seed: int = 0) -> Scenario:
         "run": {"steps": m.steps, "warmup_steps": 0, "seed": seed},
     }
     return validate_scenario(data, f"--from-run {m.run_dir}")
-
-
-def _active(section: dict[str, Any] | None, mode: str) -> bool:
-    """As the runtime's `_PolicySection.active`: `enabled`, or on in mode reflow when unset."""
-    enabled = (section or {}).get("enabled")
-    return bool(enabled) if enabled is not None else mode == "reflow"
 
 
 @dataclass

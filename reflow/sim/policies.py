@@ -207,8 +207,7 @@ def tail_step(sim: Simulation) -> None:
     actions (consolidation, concurrency limits, as the Ray runtime's `reflow.sched.tail_runtime` does;
     `tail.migrate` / `tail.set_concurrency` switch them off); over-provisioning is the gate
     (`tail_room`)."""
-    cfg = sim.tail.cfg
-    if not (getattr(cfg, "migrate", True) or getattr(cfg, "set_concurrency", True)):
+    if not (sim.tail.cfg.migrate or sim.tail.cfg.set_concurrency):
         return
     if sim.store.in_flight() > max(8, sim.B // 4) and sim.rec.steps:
         return  # no tail yet: most of the batch is still running
