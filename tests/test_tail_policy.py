@@ -46,6 +46,21 @@ def test_concurrency_knee_is_where_tokens_per_s_saturate():
     assert TailPolicy().decide(TailObservation(8, 8, (), (at_knee, EngineState("e1", 0, 8)))) == []
 
 
+def test_a_limit_is_lowered_only_where_the_curve_was_seen_to_saturate():
+    # still rising at its highest measured point (20): nothing says 64 sequences would not help, and
+    # a limit of 20 could never measure more; the limit stays
+    rising = ((4, 300.0), (12, 560.0), (20, 656.0))
+    eng = EngineState("e0", running=20, max_running=64, curve=rising)
+    assert TailPolicy().decide(TailObservation(8, 8, (), (eng,))) == []
+    # one point above the knee that adds under 5%: saturated, the limit moves to the knee
+    flat = (*rising, (28, 670.0))
+    (act,) = TailPolicy().decide(TailObservation(8, 8, (), (EngineState("e0", 20, 64, curve=flat),)))
+    assert act == SetConcurrency("e0", 20, act.reason)  # 656 >= 0.95 x 670
+    # a limit below the knee (points measured before it was lowered) is raised to it
+    (up,) = TailPolicy().decide(TailObservation(8, 8, (), (EngineState("e0", 4, 12, curve=flat),)))
+    assert up == SetConcurrency("e0", 20, up.reason)
+
+
 @pytest.mark.parametrize(
     "p90, count, delta",
     [

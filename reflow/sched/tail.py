@@ -23,7 +23,9 @@ The actions and their rules (B = groups per train step):
   freed: for the next batch when the driver has room to start its groups, else for the trainer.
 - `SetConcurrency`: per engine, the knee of its measured (concurrency, tokens/s) curve, the
   smallest c with tokens/s >= (1 - saturation_eps) * max; more sequences than that add latency,
-  not throughput.
+  not throughput. A limit is lowered to the knee only when the curve saturates: some concurrency
+  above the knee was measured. A curve still rising at its highest point says nothing about more
+  sequences, and a limit set there could never measure them (the limit would only ratchet down).
 
 `migrate: false` keeps every episode on its engine (only engines already empty are freed) and
 `set_concurrency: false` leaves the limits alone: ablations of those two actions.
@@ -307,7 +309,8 @@ class TailPolicy:
             if not self.cfg.set_concurrency or eng.released or len(eng.curve) < 2:
                 continue
             knee = concurrency_knee(eng.curve, self.cfg.saturation_eps)
-            if knee != eng.max_running:
+            saturated = knee < max(c for c, _ in eng.curve)
+            if knee > eng.max_running or (knee < eng.max_running and saturated):
                 top = max(tps for _, tps in eng.curve)
                 at = dict(eng.curve)[knee]
                 out.append(
