@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 def warmstart_key(config: RunConfig) -> str:
     from reflow.models.tiny import BUILDER_VERSION
+    from reflow.train.sft import RECIPE_VERSION
 
     blob = {
         "env": config.env.id,  # demonstrations use warmstart.demo_env_kwargs, never env.kwargs
@@ -39,6 +40,7 @@ def warmstart_key(config: RunConfig) -> str:
         "demo_env_kwargs": config.warmstart.demo_env_kwargs or env_demo_kwargs(config.env.id),
         "seed": config.warmstart.seed,
         "builder": BUILDER_VERSION,
+        "sft": RECIPE_VERSION,
         "demo_seeds": DEMO_SEED_BASE,
     }
     if config.warmstart.dev_tasks:  # early stopping evaluates on the RL env: its kwargs shape the model

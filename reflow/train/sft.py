@@ -20,6 +20,9 @@ import torch.nn.functional as F
 from reflow.records import Segment
 from reflow.train.prefix import shared_prefix_len, suffix_logits
 
+RECIPE_VERSION = 2
+"""Bump when `sft_train`'s numerics change (2: fp32 on CPU), so that cached warm starts are retrained."""
+
 
 @dataclass
 class SFTConfig:
@@ -34,19 +37,12 @@ class SFTConfig:
     seed: int = 0
     log_every: int = 20
     bf16: bool | None = None
-    """Autocast matmuls to bfloat16 (None: only on a CPU with AMX or AVX512-BF16, where it is ~2x faster)."""
+    """Autocast matmuls to bfloat16 (None: on GPU only). On CPU the engines decode in fp32, and for the
+    tiny model bf16 was no faster even with AMX (docs/results.md, "SFT in fp32 on CPU")."""
     patience: int = 0
     """Early stopping on the `evaluate` callback's `success_rate` (a dev set): stop once this many
     evaluations in a row found no better one, and end with the best evaluated weights (the final
     ones are evaluated too). 0: train to the step or time budget."""
-
-
-def _bf16_helps() -> bool:
-    cpu = torch.cpu
-    return bool(
-        getattr(cpu, "_is_amx_tile_supported", lambda: False)()
-        or getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
-    )
 
 
 @dataclass
@@ -121,7 +117,8 @@ def sft_train(
         progress = min(1.0, max(by_steps, elapsed / cfg.max_seconds))
         return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
-    use_bf16 = _bf16_helps() if cfg.bf16 is None else cfg.bf16
+    device = next(model.parameters()).device
+    use_bf16 = device.type == "cuda" if cfg.bf16 is None else cfg.bf16
     report = SFTReport()
     start = time.monotonic()
     model.train()
@@ -142,7 +139,7 @@ def sft_train(
         batch = batches.pop()
         for group in opt.param_groups:
             group["lr"] = lr_at(report.steps, time.monotonic() - start)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
             loss, n_tokens = masked_nll(model, batch, pad_id)
         opt.zero_grad(set_to_none=True)
         loss.backward()
