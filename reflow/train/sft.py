@@ -38,11 +38,17 @@ class SFTConfig:
     log_every: int = 20
     bf16: bool | None = None
     """Autocast matmuls to bfloat16 (None: on GPU only). On CPU the engines decode in fp32, and for the
-    tiny model bf16 was no faster even with AMX (docs/results.md, "SFT in fp32 on CPU")."""
+    tiny model bf16 was no faster even with AMX (docs/results.md, "... SFT in fp32 on CPU")."""
     patience: int = 0
     """Early stopping on the `evaluate` callback's `success_rate` (a dev set): stop once this many
     evaluations in a row found no better one, and end with the best evaluated weights (the final
     ones are evaluated too). 0: train to the step or time budget."""
+
+
+def use_bf16(device: torch.device, setting: bool | None) -> bool:
+    """Whether to autocast to bfloat16: `setting`, or when None, on GPU only (the engines decode in
+    fp32 on CPU, and there bf16 was no faster for the tiny model; the RL trainer follows the same rule)."""
+    return device.type == "cuda" if setting is None else setting
 
 
 @dataclass
@@ -118,7 +124,7 @@ def sft_train(
         return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
     device = next(model.parameters()).device
-    use_bf16 = device.type == "cuda" if cfg.bf16 is None else cfg.bf16
+    bf16 = use_bf16(device, cfg.bf16)
     report = SFTReport()
     start = time.monotonic()
     model.train()
@@ -139,7 +145,7 @@ def sft_train(
         batch = batches.pop()
         for group in opt.param_groups:
             group["lr"] = lr_at(report.steps, time.monotonic() - start)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss, n_tokens = masked_nll(model, batch, pad_id)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -37,7 +37,7 @@ from reflow.train.logprobs import logprobs_from_logits, pad_segments, token_logp
 from reflow.train.losses import engine_gap_stats, policy_loss
 from reflow.train.prefix import shared_prefix_len, suffix_logits
 from reflow.train.settings import TrainerConfig
-from reflow.train.sft import pack_batches
+from reflow.train.sft import pack_batches, use_bf16
 
 __all__ = ["PolicyTrainer", "TrainRow", "TrainerConfig", "equalize_micro_batches", "loglinear_prox"]
 
@@ -82,7 +82,7 @@ class PolicyTrainer:
         # On CPU the engine samples in fp32, and bf16 autocast here put the trainer's log-probs up to 0.19
         # nats (p99 0.04) off the engine's on the tiny model: noise in every weight, for no speed-up
         # (measured). So bf16 by default only on GPU, where the engines run in bf16 too.
-        self.bf16 = model.device.type == "cuda" if self.cfg.bf16 is None else self.cfg.bf16
+        self.bf16 = use_bf16(model.device, self.cfg.bf16)
         self.step = 0
         self.version = 0
         self.rng = random.Random(self.cfg.seed + self.rank)
