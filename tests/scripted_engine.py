@@ -26,6 +26,7 @@ class ScriptedEngine:
         self.fail_on_call, self.delay_s = fail_on_call, delay_s
         self.finish_override = finish_override or {}
         self.prompts: list[list[int]] = []
+        self.seeds: list[int | None] = []  # each call's SamplingParams.seed
         self.results: list[GenerateResult] = []
         self.aborted: list[str] = []
         self._version = 0
@@ -40,6 +41,7 @@ class ScriptedEngine:
     ) -> GenerateResult:
         call = len(self.prompts)
         self.prompts.append(list(input_ids))
+        self.seeds.append(params.seed)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:

@@ -175,6 +175,35 @@ async def test_group_runs_concurrently_on_one_engine(tiny_tokenizer):
     assert len({r.task_hash for r in recs}) == 1 and all(r.status == "ok" for r in recs)
 
 
+async def test_a_seeded_group_gives_each_episode_and_each_turn_its_own_seed_the_same_every_run(
+    tiny_tokenizer,
+):
+    """`SamplingParams.child`: a seeded measurement derives one seed per (task, sample, turn), so no two
+    generate calls replay the same noise, and a second run sends exactly the same seeds; unseeded
+    sampling stays unseeded."""
+    task = _calc_task(2)
+    call = (await _demo_texts("reflow/Calc-v0", task))[0]  # a tool call: the episode goes on
+
+    async def seeds(sampling: SamplingParams, task_seed: int) -> list[int | None]:
+        engine = ScriptedEngine(tiny_tokenizer, [call])
+        runner = EpisodeRunner(engine, tiny_tokenizer, RolloutConfig(max_turns=3))
+        recs = await run_group(
+            runner, lambda: reflow.make("reflow/Calc-v0"), 3, task=task, seed=task_seed, sampling=sampling
+        )
+        assert [r.n_turns for r in recs] == [3, 3, 3]
+        return engine.seeds
+
+    seeded = SamplingParams(max_new_tokens=64, seed=1_000_000)
+    first = await seeds(seeded, 7)
+    assert len(set(first)) == len(first) == 9  # 3 episodes x 3 turns, all distinct
+    assert all(0 <= s < 2**63 for s in first)
+    assert await seeds(seeded, 7) == first
+    assert not set(await seeds(seeded, 8)) & set(first)  # another task seed: other noise
+    assert set(await seeds(SamplingParams(max_new_tokens=64), 7)) == {None}
+    assert seeded.child(7, 0) == seeded.child(7, 0) != seeded.child(7, 1)
+    assert SamplingParams().child(7, 0).seed is None
+
+
 async def test_demo_policy_gives_the_same_layout_without_an_engine(tiny_tokenizer):
     runner = EpisodeRunner(None, tiny_tokenizer)
     env = reflow.make("reflow/Calc-v0")

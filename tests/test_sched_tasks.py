@@ -261,3 +261,31 @@ async def test_the_worker_headroom_plays_greedy_then_k_samples_on_the_same_held_
     assert room["sampled_success"] == sum(r.success for r in sampled) / 6
     assert room["greedy_success"] == sum(r.success for r in greedy) / 3
     assert room["pass_at_k"] >= room["headroom"] and room["seconds"] > 0
+
+
+async def test_the_worker_headroom_measures_the_same_weights_the_same_in_every_run(tmp_path):
+    """The sampled half of the measurement is seeded (`RolloutWorker._held_out`): two measurements of
+    the same weights, one per worker as in two runs, play the same sampled episodes token for token."""
+    from reflow.config import load_config
+    from reflow.models import build_tiny
+    from reflow.sched.workers import RolloutWorker
+
+    model_dir = str(build_tiny(tmp_path / "m", num_hidden_layers=1, hidden_size=32, intermediate_size=64))
+    config = load_config(
+        None,
+        [
+            "env.id=reflow/Calc-v0",
+            f"out_dir={tmp_path}",
+            "eval.max_new_tokens=8",
+            "rollout.max_batch_size=8",
+            "rollout.temperature=1.0",
+        ],
+    )
+    played = []
+    for _ in range(2):
+        worker = RolloutWorker(config, model_dir, replay=None)
+        played.append(await worker._held_out(4, 1_000_000, 1.0, 3))
+        await worker.close()
+    first, second = ([r.segments[0].token_ids for r in recs] for recs in played)
+    assert first == second
+    assert len({tuple(ids) for ids in first}) > 4  # the samples of a task differ from each other

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -33,6 +34,16 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    def child(self, *parts: int | None) -> SamplingParams:
+        """These parameters with a seed derived from this seed and `parts` (a task seed, a sample
+        index, a turn index), the same in every process and run; unseeded stays unseeded. Each
+        episode and each turn of a seeded measurement then draws noise of its own, not a copy of
+        another episode's or turn's (the engine restarts a seeded request's generator per call)."""
+        if self.seed is None:
+            return self
+        digest = hashlib.blake2b(repr((self.seed, *parts)).encode(), digest_size=8).digest()
+        return replace(self, seed=int.from_bytes(digest, "big") >> 1)  # a non-negative int64
 
 
 @dataclass

@@ -84,7 +84,10 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
     async def run(engine: Engine, tokenizer: Any, temperature: float, group_size: int, episodes: int):
         sampling = SamplingParams(
-            max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=args.top_p
+            max_new_tokens=args.max_new_tokens,
+            temperature=temperature,
+            top_p=args.top_p,
+            seed=EVAL_SEED_BASE if args.eval else None,  # a held-out measurement: the same every run
         )
         return await collect(
             EpisodeRunner(engine, tokenizer, RolloutConfig(sampling=sampling)),

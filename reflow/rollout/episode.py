@@ -155,7 +155,7 @@ class EpisodeRunner:
             )
             if max_new < 1:
                 raise _Stop("truncated", "token_budget")
-            params = replace(sampling, max_new_tokens=max_new)
+            params = replace(sampling.child(turn_index), max_new_tokens=max_new)
             t0 = time.monotonic()
             if demo_policy is None:
                 out = await _generate(engine, segment.token_ids, params, deadline)
@@ -284,7 +284,7 @@ async def run_group(
                         task=task,
                         seed=seed,
                         group_id=group_id,
-                        sampling=replace(base, seed=None if base.seed is None else base.seed + i),
+                        sampling=base.child(seed, i),
                     )
                     for i, env in enumerate(envs)
                 )

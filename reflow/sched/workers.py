@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -192,11 +192,15 @@ class RolloutWorker:
         self, episodes: int, seed: int, temperature: float, samples: int
     ) -> list[EpisodeRecord]:
         """`samples` episodes on each of `episodes` held-out tasks (task seeds from `seed`), at
-        `temperature` (0: greedy), on `eval.env_kwargs` (None: the env's kwargs)."""
+        `temperature` (0: greedy), on `eval.env_kwargs` (None: the env's kwargs). Sampled episodes
+        are seeded from `seed`, the task seed and the sample index (`SamplingParams.child`): the same
+        weights measure the same figures in every run, and the start and end measurements of a run
+        draw the same noise, so their difference is the policy's, not the dice's."""
         from reflow.rollout.collect import collect
 
         ev = self.config.eval
         sampling = _sampling(self.config, temperature=temperature, max_new_tokens=ev.max_new_tokens)
+        sampling = replace(sampling, seed=seed)
         runner = EpisodeRunner(self.engine, self.tokenizer, RolloutConfig(sampling=sampling))
         return await collect(
             runner,
