@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -54,9 +54,13 @@ def _threads(config: RunConfig) -> int:
 
 
 def _sampling(
-    config: RunConfig, temperature: float | None = None, max_new_tokens: int | None = None
+    config: RunConfig,
+    temperature: float | None = None,
+    max_new_tokens: int | None = None,
+    seed: int | None = None,
 ) -> SamplingParams:
-    """The rollout's sampling parameters; `temperature` overrides the rollout's (0: greedy)."""
+    """The rollout's sampling parameters; `temperature` overrides the rollout's (0: greedy); `seed`
+    (None: unseeded) is the base each episode's and turn's seed derives from (`SamplingParams.child`)."""
     r = config.rollout
     return SamplingParams(
         max_new_tokens=max_new_tokens or r.max_new_tokens,
@@ -64,6 +68,7 @@ def _sampling(
         top_p=r.top_p,
         top_k=r.top_k,
         stop=list(r.stop),
+        seed=seed,
     )
 
 
@@ -199,8 +204,7 @@ class RolloutWorker:
         from reflow.rollout.collect import collect
 
         ev = self.config.eval
-        sampling = _sampling(self.config, temperature=temperature, max_new_tokens=ev.max_new_tokens)
-        sampling = replace(sampling, seed=seed)
+        sampling = _sampling(self.config, temperature, ev.max_new_tokens, seed=seed)
         runner = EpisodeRunner(self.engine, self.tokenizer, RolloutConfig(sampling=sampling))
         return await collect(
             runner,
