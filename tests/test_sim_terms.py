@@ -8,7 +8,7 @@ import pytest
 from test_sim import constant, scenario
 
 import reflow.sim.engine as engine
-from reflow.sim.costs import decode_model
+from reflow.sim.costs import decode_model, sync_s
 
 
 def test_kv_pressure_slows_the_compute_term_only_while_a_request_waits_for_cache():
@@ -110,3 +110,14 @@ def test_the_tail_gate_bounds_a_batch_to_b_plus_delta_as_the_runtime_loop_does()
     B = s.batch.groups
     assert peak(s) <= B + B // 2
     assert peak(s.model_copy(update={"mode": s.mode.model_copy(update={"tail": False})})) > B + B // 2
+
+
+def test_a_drain_before_the_sync_counts_as_the_trainers_wait():
+    # one-step-off (no partial rollout): after its update the trainer waits for the engines to finish
+    # the next batch before it syncs (verl's wait_prev_gen). With generation on 1 GPU slower than the
+    # update on 7, every step is that wait + the update + the sync, and the wait is reported.
+    s = constant(mode={"mode": "one_step_off", "rollout_gpus": 1}, train={"fixed_s": 0.2})
+    out = engine.simulate(s)
+    sync = sync_s(s.model, s.sync, colocated=False)
+    assert out["trainer_wait_s"] > 0.5 * out["train_s"]
+    assert out["trainer_wait_s"] + out["train_s"] + sync == pytest.approx(out["seconds_per_step"], rel=1e-6)

@@ -120,14 +120,17 @@ class TrainingSide:
             self.try_train()
             return
         self.chunk = 0
-        self.phase = {"wait_s": self.version_wait, "train_s": self.version_train}
-        self.version_wait = self.version_train = 0.0
         if self.partial or self.colocated or self.requests_out == 0:
             self.start_sync()
         else:
             self.draining = True  # no new work; the sync starts when the last request ends
 
     def start_sync(self) -> None:
+        if self.wait_since is not None:  # a drain before the sync: the trainer waits for the last requests
+            self.version_wait += self.now - self.wait_since  # (verl one-step-off's wait_prev_gen)
+            self.wait_since = None
+        self.phase = {"wait_s": self.version_wait, "train_s": self.version_train}
+        self.version_wait = self.version_train = 0.0
         self.draining, self.syncing = False, True
         dt = sync_s(self.s.model, self.s.sync, self.colocated)
         self.paused_by_sync = list(self.engines)
