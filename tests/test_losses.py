@@ -59,6 +59,45 @@ def test_lower_clip_uses_clip_eps():
     assert loss.item() == pytest.approx((0.9 - 1.3) / 2)
 
 
+def test_replay_clip_stops_replayed_tokens_past_the_behaviour_clip_by_hand():
+    # u = 1 (first update, theta == prox); the behaviour ratio r = pi_theta / pi_behav = w. Rows:
+    # replayed (A=+1, r=1.5) past 1.28 -> no gradient; replayed (A=-1, r=0.5) under 0.8 -> none;
+    # replayed (A=+1, r=1.1) inside -> gradient; fresh (A=+1, r=1.5) -> gradient (the clip is off).
+    log_w = [[LN(1.5)], [LN(0.5)], [LN(1.1)], [LN(1.5)]]
+    prox = torch.full((4, 1), -1.0)
+    behav = prox - torch.tensor(log_w)
+    adv = torch.tensor([1.0, -1.0, 1.0, 1.0])
+    mask = torch.ones(4, 1, dtype=torch.bool)
+    replayed = torch.tensor([True, True, True, False])
+    grads = {}
+    for on in (False, True):
+        logp = prox.clone().requires_grad_(True)
+        loss, stats = policy_loss(logp, prox, behav, adv, mask, LossConfig(replay_clip=on), replayed)
+        loss.backward()
+        grads[on] = logp.grad[:, 0].tolist()
+        if on:
+            assert stats["replay_clip_frac"].item() == 0.5
+            # the stopped tokens keep their value in the loss: the loss is the same with the clip off
+            assert loss.item() == pytest.approx(-(1.5 - 0.5 + 1.1 + 1.5) / 4)
+    # without the clip every row pushes: d loss / d logp = -A * w / 4
+    assert grads[False] == pytest.approx([-1.5 / 4, 0.5 / 4, -1.1 / 4, -1.5 / 4])
+    assert grads[True] == pytest.approx([0.0, 0.0, -1.1 / 4, -1.5 / 4])
+
+
+def test_replay_clip_without_replayed_rows_changes_nothing():
+    torch.manual_seed(1)
+    logp = (-torch.rand(3, 4)).requires_grad_(True)
+    prox, behav = logp.detach() + 0.05, logp.detach() - 0.3
+    adv, mask = torch.randn(3), torch.ones(3, 4)
+    on, _ = policy_loss(
+        logp, prox, behav, adv, mask, LossConfig(replay_clip=True), torch.zeros(3, dtype=torch.bool)
+    )
+    (g_on,) = torch.autograd.grad(on, logp)
+    off, _ = policy_loss(logp, prox, behav, adv, mask, LossConfig())
+    (g_off,) = torch.autograd.grad(off, logp)
+    assert torch.equal(g_on, g_off) and on.item() == off.item()
+
+
 def test_behaviour_weight_and_cap_masking_by_hand():
     # Token 0: w = 2, A=+1, u=1.1 -> w*pg = 2 * -1.1. Token 1: w = 6 > cap 5 -> masked out.
     # Token 2: w = 5 exactly is kept (only w > cap is masked): A=-1, u=1 -> 5 * 1.

@@ -1,6 +1,7 @@
 """The RL trainer: sync-mode IS weights, masking of infra errors, micro-batching, checkpoints."""
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -8,8 +9,9 @@ from engine_helpers import small_qwen3
 
 from reflow.records import EpisodeRecord, Segment
 from reflow.replay import StoredGroup
-from reflow.train.batch import rows_from_groups, shard_groups
+from reflow.train.batch import rows_from_groups, shard_groups, trained_before
 from reflow.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from reflow.train.losses import LossConfig
 from reflow.train.trainer import PolicyTrainer, TrainerConfig, TrainRow
 
 
@@ -49,6 +51,25 @@ def test_sync_mode_weight_is_one_and_nothing_is_masked():
     assert trainer.version == 1
     after = _weights(trainer.model)
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_replayed_rows_past_the_behaviour_clip_leave_the_weights_unchanged():
+    # Negative advantages and a recorded log-prob of -1.0, far above the tiny model's (~ -4): the
+    # behaviour ratio pi_theta / pi_behav is far under 1 - clip_eps, so a replayed row gives no gradient.
+    def rows(replayed):
+        return [replace(r, advantage=-1.0, replayed=replayed) for r in _rows()]
+
+    loss = LossConfig(replay_clip=True)
+    for replayed in (True, False):
+        trainer = PolicyTrainer(
+            _model(), 0, TrainerConfig(lr=1e-2, behaviour_is_prox=False, bf16=False, loss=loss)
+        )
+        before = _weights(trainer.model)
+        metrics = trainer.train_step(rows(replayed))
+        after = _weights(trainer.model)
+        moved = any(not torch.equal(before[k], after[k]) for k in before)
+        assert metrics["replay_clip_frac"] == (1.0 if replayed else 0.0)
+        assert moved != replayed
 
 
 def test_the_engine_trainer_gap_is_reported_in_sync_mode_and_corrected_on_request():
@@ -295,6 +316,19 @@ def test_infra_error_episodes_are_masked_out_of_training():
     assert len(rows) == 3
     assert [r.advantage for r in rows] == [1.0, -0.5, -0.5]
     assert all(r.segment is not episodes[1].segments[0] for r in rows)
+
+
+def test_a_row_is_replayed_when_an_earlier_step_trained_its_group():
+    def group(consumed, last_step):
+        return StoredGroup("g", 0, 0, [_episode("ok", 1.0)], [1.0], 1.0, consumed, last_step, {})
+
+    # (consumed, last_step, step): sync marks after the update, the decoupled modes when they plan it
+    assert not trained_before(group(0, None), 5)  # sync, fresh
+    assert trained_before(group(1, 3), 5)  # trained at step 3, not yet marked for 5
+    assert not trained_before(group(1, 5), 5)  # decoupled, fresh: marked for this step only
+    assert trained_before(group(2, 5), 5)  # decoupled, replayed
+    assert [r.replayed for r in rows_from_groups([group(2, 5)], 5)] == [True]
+    assert [r.replayed for r in rows_from_groups([group(2, 5)])] == [False]  # no step: fresh
 
 
 def test_sharding_rows_by_tokens_balances_them_and_keeps_every_row():

@@ -353,7 +353,7 @@ class TrainerRank:
             shares = shard_groups([sizes[g] for g in group_ids], self.world_size)
             mine = [group_ids[i] for i in shares[self.rank]]
         groups = ray.get(self.replay.groups.remote(mine)) if mine else []
-        return self.trainer.train_step(rows_from_groups(groups), step=step)
+        return self.trainer.train_step(rows_from_groups(groups, step), step=step)
 
     def state_dict(self) -> dict[str, Any] | None:
         """Full weights on rank 0 (None on the others); collective: call on every rank."""

@@ -14,14 +14,23 @@ from reflow.train.advantages import valid_for_training
 from reflow.train.trainer import TrainRow
 
 
-def rows_from_groups(groups: Iterable[StoredGroup]) -> list[TrainRow]:
+def trained_before(group: StoredGroup, step: int) -> bool:
+    """Whether a step before `step` trained on the group. Modes differ in when they mark a step's
+    groups consumed: sync after the update, the decoupled modes when they plan it (so a fresh group
+    may already show this step's use). A use by `step` itself does not count."""
+    return group.consumed - (group.last_step == step) > 0
+
+
+def rows_from_groups(groups: Iterable[StoredGroup], step: int | None = None) -> list[TrainRow]:
+    """The rows of `groups`, for the update of `step` (None: every row counts as fresh)."""
     rows: list[TrainRow] = []
     for group in groups:
+        replayed = step is not None and trained_before(group, step)
         for episode, advantage in zip(group.episodes, group.advantages, strict=True):
             if not valid_for_training(episode.status):
                 continue
             rows += [
-                TrainRow(segment, advantage, group.group_id, episode.policy_version_start)
+                TrainRow(segment, advantage, group.group_id, episode.policy_version_start, replayed)
                 for segment in episode.segments
                 if segment.n_sampled > 0
             ]

@@ -43,6 +43,7 @@ def policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     cfg: LossConfig | None = None,
+    replayed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The policy-gradient loss over the tokens where `mask` is set, and detached scalar statistics.
 
@@ -50,10 +51,14 @@ def policy_loss(
     `logp`: prox and behaviour log-probabilities are constants here. Per token,
     u = exp(logp - prox_logp), pg = max(-A*u, -A*clip(u, 1 - eps, 1 + eps_high)) and
     w = exp(prox_logp - behav_logp); decoupled PPO drops tokens with w > cap, truncated IS uses
-    min(w, cap); the loss aggregates w * pg over the valid tokens (`cfg.agg`).
+    min(w, cap); the loss aggregates w * pg over the valid tokens (`cfg.agg`). With `cfg.replay_clip`,
+    the tokens of `replayed` rows ([B] or [B, T], True for a replayed row) whose r = pi_theta / pi_behav
+    is past the clip in their advantage's direction (A > 0 and r > 1 + eps_high, or A < 0 and
+    r < 1 - eps) keep their value in the loss but give no gradient.
 
     Statistics, over the valid tokens (those that enter the loss) unless said otherwise:
-    clip_frac (the clipped branch is the max, i.e. the token gives no gradient), w_mean and w_max (the
+    clip_frac (the clipped branch is the max, i.e. the token gives no gradient), replay_clip_frac (tokens
+    the replay clip stopped, a share of all valid tokens), w_mean and w_max (the
     weights as applied), masked_frac (share of mask tokens dropped by the decoupled-PPO cap),
     trunc_frac (share of mask tokens whose TIS weight was truncated), kl_behav (k3 estimate of
     KL(behaviour || current) = mean(exp(r) - 1 - r), r = logp - behav_logp, over all mask tokens,
@@ -89,6 +94,16 @@ def policy_loss(
     pg_clipped = -advantages * u.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps_high)
     pg = torch.maximum(pg_plain, pg_clipped)
     per_token = torch.where(valid, w * pg, zero)
+    replay_clipped = torch.zeros_like(mask)
+    if cfg.replay_clip and replayed is not None:
+        if replayed.dim() == logp.dim() - 1:
+            replayed = replayed.unsqueeze(-1)
+        r_behav = torch.where(valid, logp.detach() - behav_logp, zero).exp()
+        past = ((advantages > 0) & (r_behav > 1.0 + cfg.clip_eps_high)) | (
+            (advantages < 0) & (r_behav < 1.0 - cfg.clip_eps)
+        )
+        replay_clipped = valid & replayed.bool().expand_as(mask) & past
+        per_token = torch.where(replay_clipped, per_token.detach(), per_token)
     loss = _aggregate(per_token, valid, cfg.agg)
 
     with torch.no_grad():
@@ -97,6 +112,7 @@ def policy_loss(
         r = torch.where(mask, logp - behav_logp, zero)
         stats = {
             "clip_frac": masked_mean((pg_clipped > pg_plain).float(), valid),
+            "replay_clip_frac": masked_mean(replay_clipped.float(), valid),
             "w_mean": masked_mean(w, valid),
             "w_max": w.max() if bool(n_valid) else zero.clone(),
             "masked_frac": capped.sum() / n_mask,

@@ -23,6 +23,12 @@ class LossConfig:
     """Decoupled PPO: tokens with w = pi_prox / pi_behav above this are masked out of the loss."""
     tis_cap: float = 2.0
     """Truncated IS: w = min(pi_prox / pi_behav, tis_cap)."""
+    replay_clip: bool = False
+    """Replayed rows (groups a step before this one trained on) also get PPO's later-epoch clip against
+    the policy that sampled them: a token gives no gradient once pi_theta / pi_behav is past
+    1 + clip_eps_high with a positive advantage, or under 1 - clip_eps with a negative one. The
+    decoupled clip is around prox, which each step moves, so without this a replayed token is pushed
+    again however far its first use already moved it. Fresh rows are unchanged."""
     agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
     """token_mean: mean over all valid tokens of the batch (long answers weigh more);
     seq_mean_token_mean: mean over each row's valid tokens, then over rows that have any."""

@@ -51,6 +51,8 @@ class TrainRow:
     group_id: str = ""
     version: int = 0
     """The policy version that generated the episode (for staleness)."""
+    replayed: bool = False
+    """The row's group was trained on by an earlier step (for `LossConfig.replay_clip`)."""
 
 
 def _sum_stat(stats: dict[str, Any], key: str) -> float:
@@ -124,6 +126,7 @@ class PolicyTrainer:
             "behav": behav,
             "adv": adv,
             "versions": versions,
+            "replayed": torch.tensor([r.replayed for r in batch], dtype=torch.bool),
         }
 
     def train_step(self, rows: Sequence[TrainRow], step: int | None = None) -> dict[str, float]:
@@ -144,7 +147,7 @@ class PolicyTrainer:
         recompute = updates > 1 and self.cfg.prox_logp == "recompute"
         prox = self._prox_logprobs(plan) if recompute else None
         first = True  # no optimizer step yet: theta is still prox
-        keys = ("loss", "entropy", "clip_frac", "w_mean", "masked_frac", "kl_behav")
+        keys = ("loss", "entropy", "clip_frac", "replay_clip_frac", "w_mean", "masked_frac", "kl_behav")
         totals: dict[str, float] = dict.fromkeys(keys, 0.0)
         w_max, grad_norms, all_tokens = 0.0, [], 0.0
         gap: dict[str, float] = dict.fromkeys(("engine_kl_sum", "w_sum", "w_sq_sum", "n"), 0.0)
@@ -172,12 +175,14 @@ class PolicyTrainer:
                             gap[key] += float(g[key])
                         gap_max = max(gap_max, float(g["engine_gap_max"]))
                     behav = prox_logp if self.cfg.behaviour_is_prox else t["behav"]
-                    loss, stats = policy_loss(logp, prox_logp, behav, t["adv"], t["mask"], self.cfg.loss)
+                    loss, stats = policy_loss(
+                        logp, prox_logp, behav, t["adv"], t["mask"], self.cfg.loss, t["replayed"]
+                    )
                     n = float(t["mask"].sum())
                     # policy_loss averages over this micro-batch's tokens; re-weight to a mean over the
                     # whole mini-batch (all ranks), and undo FSDP's averaging of gradients across ranks.
                     (loss * n * self.world_size / max(global_tokens, 1.0)).backward()
-                    for key in ("clip_frac", "w_mean", "masked_frac", "kl_behav"):
+                    for key in ("clip_frac", "replay_clip_frac", "w_mean", "masked_frac", "kl_behav"):
                         totals[key] += _sum_stat(stats, key) * n
                     totals["loss"] += float(loss.detach()) * n
                     totals["entropy"] += float((entropy * t["mask"]).sum())
