@@ -133,9 +133,9 @@ def test_prox_of_later_minibatches_is_the_weights_before_the_first_update(monkey
     seen = []
     real_loss = trainer_mod.policy_loss
 
-    def spy(logp, prox, behav, adv, mask, cfg):
+    def spy(logp, prox, behav, adv, mask, cfg, replayed=None):
         seen.append((prox.clone(), mask.clone()))
-        return real_loss(logp, prox, behav, adv, mask, cfg)
+        return real_loss(logp, prox, behav, adv, mask, cfg, replayed)
 
     monkeypatch.setattr(trainer_mod, "policy_loss", spy)
     trainer = PolicyTrainer(
@@ -167,9 +167,9 @@ def test_loglinear_prox_interpolates_by_staleness_without_an_extra_forward(monke
     seen = []
     real_loss = trainer_mod.policy_loss
 
-    def spy(logp, prox, behav, adv, mask, cfg):
+    def spy(logp, prox, behav, adv, mask, cfg, replayed=None):
         seen.append((logp.detach().clone(), prox.clone(), behav.clone(), mask.bool()))
-        return real_loss(logp, prox, behav, adv, mask, cfg)
+        return real_loss(logp, prox, behav, adv, mask, cfg, replayed)
 
     monkeypatch.setattr(trainer_mod, "policy_loss", spy)
     trainer = PolicyTrainer(
