@@ -94,11 +94,12 @@ def policy_loss(
     pg_clipped = -advantages * u.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps_high)
     pg = torch.maximum(pg_plain, pg_clipped)
     per_token = torch.where(valid, w * pg, zero)
+    log_r = torch.where(mask, logp.detach() - behav_logp, zero)  # pi_theta / pi_behav, in logs
     replay_clipped = torch.zeros_like(mask)
     if cfg.replay_clip and replayed is not None:
         if replayed.dim() == logp.dim() - 1:
             replayed = replayed.unsqueeze(-1)
-        r_behav = torch.where(valid, logp.detach() - behav_logp, zero).exp()
+        r_behav = log_r.exp()
         past = ((advantages > 0) & (r_behav > 1.0 + cfg.clip_eps_high)) | (
             (advantages < 0) & (r_behav < 1.0 - cfg.clip_eps)
         )
@@ -109,7 +110,6 @@ def policy_loss(
     with torch.no_grad():
         n_valid = valid.sum()
         n_mask = mask.sum().clamp(min=1)
-        r = torch.where(mask, logp - behav_logp, zero)
         stats = {
             "clip_frac": masked_mean((pg_clipped > pg_plain).float(), valid),
             "replay_clip_frac": masked_mean(replay_clipped.float(), valid),
@@ -117,7 +117,7 @@ def policy_loss(
             "w_max": w.max() if bool(n_valid) else zero.clone(),
             "masked_frac": capped.sum() / n_mask,
             "trunc_frac": truncated.sum() / n_mask,
-            "kl_behav": masked_mean(r.exp() - 1.0 - r, mask),
+            "kl_behav": masked_mean(log_r.exp() - 1.0 - log_r, mask),
             "n_tokens": n_valid.float(),
         }
     return loss, {k: v.detach().float() for k, v in stats.items()}

@@ -55,6 +55,10 @@ class TrainRow:
     """The row's group was trained on by an earlier step (for `LossConfig.replay_clip`)."""
 
 
+_TOKEN_STATS = ("clip_frac", "replay_clip_frac", "w_mean", "masked_frac", "kl_behav")
+"""The loss statistics that are token means (summed token-weighted over the micro-batches)."""
+
+
 def _sum_stat(stats: dict[str, Any], key: str) -> float:
     value = stats.get(key, 0.0)
     return float(value.item() if isinstance(value, torch.Tensor) else value)
@@ -147,7 +151,7 @@ class PolicyTrainer:
         recompute = updates > 1 and self.cfg.prox_logp == "recompute"
         prox = self._prox_logprobs(plan) if recompute else None
         first = True  # no optimizer step yet: theta is still prox
-        keys = ("loss", "entropy", "clip_frac", "replay_clip_frac", "w_mean", "masked_frac", "kl_behav")
+        keys = ("loss", "entropy", *_TOKEN_STATS)
         totals: dict[str, float] = dict.fromkeys(keys, 0.0)
         w_max, grad_norms, all_tokens = 0.0, [], 0.0
         gap: dict[str, float] = dict.fromkeys(("engine_kl_sum", "w_sum", "w_sq_sum", "n"), 0.0)
@@ -182,7 +186,7 @@ class PolicyTrainer:
                     # policy_loss averages over this micro-batch's tokens; re-weight to a mean over the
                     # whole mini-batch (all ranks), and undo FSDP's averaging of gradients across ranks.
                     (loss * n * self.world_size / max(global_tokens, 1.0)).backward()
-                    for key in ("clip_frac", "replay_clip_frac", "w_mean", "masked_frac", "kl_behav"):
+                    for key in _TOKEN_STATS:
                         totals[key] += _sum_stat(stats, key) * n
                     totals["loss"] += float(loss.detach()) * n
                     totals["entropy"] += float((entropy * t["mask"]).sum())
