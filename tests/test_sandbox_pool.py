@@ -3,6 +3,7 @@ start rate), sessions, and the reaper, including after `kill -9` of a process th
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import signal
@@ -245,4 +246,57 @@ async def test_the_sandbox_tools_for_an_env():
         assert not missing.ok and "No such file" in missing.content
     finally:
         await session.close()
+        pool.close()
+
+
+def settled(pool: SandboxPool, timeout_s: float = 30.0) -> dict[str, int]:
+    """The pool's counts once no sandbox is waiting for or in its reset."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        snap = pool.snapshot()
+        if not snap["resetting"] and not snap["starting"]:
+            time.sleep(0.2)  # an abandoned acquire woken by the reset takes the sandbox about now
+            return pool.snapshot()
+        time.sleep(0.05)
+    raise AssertionError(f"the pool did not settle: {pool.snapshot()}")
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+async def test_a_cancelled_acquire_leaks_no_lease(kind):
+    # What a server does when a step runs past its deadline: it cancels the task waiting for a sandbox.
+    pool = make_pool(kind, size=0, max_live=1)
+    try:
+        holder = pool.acquire()
+        waiter = asyncio.ensure_future(pool.aacquire(timeout_s=60))
+        await asyncio.sleep(0.5)  # waiting on the live cap
+        assert not waiter.done()
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        pool.release(holder)
+        snap = await asyncio.to_thread(settled, pool)
+        assert snap["leased"] == 0 and snap["idle"] == 1, snap
+        again = await pool.aacquire(timeout_s=10)
+        assert again is holder
+        assert again.run_tool_sync("run_python", {"code": "print('ok')"}).stdout == "ok\n"
+        pool.release(again)
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+async def test_an_acquire_cancelled_while_its_sandbox_starts_gives_it_back(kind):
+    pool = make_pool(kind, size=0, max_live=1)
+    try:
+        waiter = asyncio.ensure_future(pool.aacquire(timeout_s=60))
+        await asyncio.sleep(0.05)  # a cold start is under way in the thread
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        snap = await asyncio.to_thread(settled, pool)
+        assert snap["leased"] == 0 and snap["live"] == snap["idle"] <= 1, snap
+        sandbox = await pool.aacquire(timeout_s=30)
+        assert sandbox.run_tool_sync("run_python", {"code": "print('ok')"}).stdout == "ok\n"
+        pool.release(sandbox)
+    finally:
         pool.close()

@@ -8,13 +8,15 @@ has served `max_uses` episodes. The same thread keeps `size` sandboxes idle.
 
 Two limits protect the engine: a hard cap on live sandboxes (idle, leased, being reset, starting or
 being removed, all counted), and a token bucket on how fast new ones start. `acquire` waits for a
-sandbox, up to its timeout, when the cap is reached.
+sandbox, up to its timeout, when the cap is reached; `aacquire` also stops waiting when its caller is
+cancelled, and hands back a sandbox its thread got after that (nothing else would release it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import os
 import threading
@@ -29,6 +31,10 @@ from reflow.sandbox.base import _EXECUTOR, BaseSandbox, SandboxError
 
 class PoolExhausted(SandboxError):
     """No sandbox became available within the acquire timeout (the live cap is reached)."""
+
+
+class AcquireAbandoned(SandboxError):
+    """The caller of `aacquire` was cancelled while its thread was waiting for a sandbox."""
 
 
 class TokenBucket:
@@ -128,8 +134,13 @@ class SandboxPool:
             }
 
     # ---- acquire and release --------------------------------------------------------------------------
-    def acquire(self, timeout_s: float = 120.0, episode_timeout_s: float | None = None) -> BaseSandbox:
-        """A ready sandbox for one episode (blocks up to `timeout_s`)."""
+    def acquire(
+        self,
+        timeout_s: float = 120.0,
+        episode_timeout_s: float | None = None,
+        abandoned: threading.Event | None = None,
+    ) -> BaseSandbox:
+        """A ready sandbox for one episode (blocks up to `timeout_s`, or until `abandoned` is set)."""
         start = time.perf_counter()
         deadline = time.monotonic() + timeout_s
         while True:
@@ -137,6 +148,8 @@ class SandboxPool:
                 if self.closed:
                     raise SandboxError(f"pool {self.name} is closed")
                 while not self.idle and self.live >= self.max_live:
+                    if abandoned is not None and abandoned.is_set():
+                        raise AcquireAbandoned("the caller stopped waiting for a sandbox")
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise PoolExhausted(f"no sandbox free within {timeout_s:g}s ({self.max_live} live)")
@@ -199,8 +212,22 @@ class SandboxPool:
             self.cond.notify_all()
 
     async def aacquire(self, timeout_s: float = 120.0, episode_timeout_s: float | None = None) -> BaseSandbox:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(_EXECUTOR, self.acquire, timeout_s, episode_timeout_s)
+        """`acquire` in a thread, bounded by the caller: when the awaiting task is cancelled (a server's
+        step deadline) the thread stops waiting, and a sandbox it got all the same goes straight back."""
+        abandoned = threading.Event()
+        future = _EXECUTOR.submit(self.acquire, timeout_s, episode_timeout_s, abandoned)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            abandoned.set()
+            with self.cond:
+                self.cond.notify_all()  # wake the thread if it waits on the live cap
+            future.add_done_callback(self._give_back_abandoned)
+            raise
+
+    def _give_back_abandoned(self, future: concurrent.futures.Future[BaseSandbox]) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.release(future.result())
 
     async def arelease(self, sandbox: BaseSandbox, *, discard: bool = False) -> None:
         self.release(sandbox, discard=discard)
