@@ -33,6 +33,7 @@ from reflow_tools.tool_procs import (
     PR_SET_DUMPABLE,
     Calls,
     prctl,
+    remove_ipc,
 )
 
 PROTOCOL = 1
@@ -231,9 +232,9 @@ class ToolServer:
         return {"stdout": listing, "truncated": truncated, "data": entries}
 
     def op_reset(self) -> dict:
-        """Kill every process, empty the writable directories: the sandbox as it started."""
+        """Kill every process, remove IPC objects, empty the writable dirs: the sandbox as it started."""
         swept = self.calls.sweep()
-        problems = []
+        problems = remove_ipc()
         for top in self.config.wipe:
             for name in os.listdir(top) if os.path.isdir(top) else []:
                 problems += _remove(os.path.join(top, name))

@@ -1,11 +1,13 @@
 """`DockerSandbox`: a container on a real Docker engine, with the tool server as its init process.
 
 Isolation, all on by default: no network (only loopback exists inside), memory (no swap), pids and CPU
-limits, a read-only root with tmpfs work dirs (/work, /tmp, a small /dev/shm), a non-root user, every
-capability dropped, no-new-privileges, no core dumps, owner labels for the reaper. The tool server
-(tools/tool_server.py, sent as the `python3 -c` program) is PID 1: code inside cannot kill it, and it
-reaps orphans and kills whatever a call leaves running. The host talks to it over one attach stream
-that stays open, so a tool call costs a round trip on that stream, not a `docker exec`.
+limits, a read-only root with tmpfs work dirs (/work, /tmp, a small /dev/shm), a private IPC namespace
+with small caps (`ipc_sysctls`), a non-root user, every capability dropped, no-new-privileges, no core
+dumps, owner labels for the reaper. The tool server (tools/tool_server.py, sent as the `python3 -c`
+program) is PID 1: code inside cannot kill it, and it reaps orphans and kills whatever a call leaves
+running; a reset also removes the IPC objects and POSIX message queues a call left. The host talks to
+it over one attach stream that stays open, so a tool call costs a round trip on that stream, not a
+`docker exec`.
 
 `exec` is a plain `docker exec` (a fresh process each time), kept as the baseline the benchmark compares
 against and for commands that must not go through the tool server.
@@ -51,6 +53,23 @@ def shared_client() -> Any:
     return _client
 
 
+def ipc_sysctls(limits: SandboxLimits) -> dict[str, str]:
+    """Caps on the container's own IPC namespace (these sysctls are per namespace).
+
+    A SysV segment outlives its process and keeps its memory; with `shm_rmid_forced` it goes when its
+    last user exits, so a call cannot leave memory pinned (the reset removes message queues and
+    semaphores). Every size is within the container's memory limit."""
+    memory = limits.memory_mb << 20
+    return {
+        "kernel.shm_rmid_forced": "1",
+        "kernel.shmmax": str(memory),
+        "kernel.shmall": str(memory // 4096),
+        "kernel.shmmni": "64",
+        "kernel.msgmni": "64",
+        "fs.mqueue.queues_max": "64",
+    }
+
+
 def container_config(image: str, limits: SandboxLimits, labels: dict[str, str]) -> dict[str, Any]:
     """The keyword arguments of `containers.create`: every isolation setting in one place."""
     from docker.types import LogConfig, Ulimit
@@ -72,6 +91,7 @@ def container_config(image: str, limits: SandboxLimits, labels: dict[str, str]) 
             "/tmp": f"rw,exec,nosuid,nodev,size={limits.tmp_mb}m,mode=1777",
         },
         "shm_size": "16m",
+        "sysctls": ipc_sysctls(limits),
         "mem_limit": f"{limits.memory_mb}m",
         "memswap_limit": f"{limits.memory_mb}m",
         "pids_limit": limits.pids,
@@ -133,7 +153,7 @@ class DockerSandbox(BaseSandbox):
         hello = {
             "workdir": WORKDIR,
             "sweep": True,
-            "wipe": [WORKDIR, "/tmp", "/dev/shm"],
+            "wipe": [WORKDIR, "/tmp", "/dev/shm", "/dev/mqueue"],
             "memory_mb": self.limits.call_memory_mb,
             "file_limit": self.limits.file_mb << 20,
             "env": {k: v for k, v in SERVER_ENV.items() if k != "PYTHONHASHSEED"},
