@@ -33,3 +33,27 @@ def healthy(sandbox: BaseSandbox, boot: str | None = None) -> None:
 
 def boot_of(sandbox: BaseSandbox) -> str:
     return sandbox.request("ping", {})["data"]["boot"]
+
+
+# The hostile-program suites share one sandbox per backend and module; each test starts it reset.
+# Test modules import these two (as `sandbox_fixture, boot_fixture`); tests ask for `sandbox`, `boot`.
+@pytest.fixture(scope="module", params=BACKENDS, name="sandbox")
+def sandbox_fixture(request):
+    sb = start(request.param)
+    yield sb
+    sb.close_sync()
+
+
+@pytest.fixture(name="boot")
+def boot_fixture(sandbox):
+    """The server's identity before the test; `healthy(sandbox, boot)` checks it is unchanged after."""
+    assert sandbox.reset_sync()
+    return boot_of(sandbox)
+
+
+def py(sandbox: BaseSandbox, code: str, timeout_s: float = 5.0, **args):
+    return sandbox.run_tool_sync("run_python", {"code": code, **args}, timeout_s=timeout_s)
+
+
+def sh(sandbox: BaseSandbox, command: str, timeout_s: float = 5.0, **args):
+    return sandbox.run_tool_sync("run_shell", {"command": command, **args}, timeout_s=timeout_s)

@@ -6,30 +6,9 @@ shared memory or tmpfs, the disk, process slots) are all gone or free again when
 from __future__ import annotations
 
 import pytest
-from sandbox_helpers import BACKENDS, LIMITS, boot_of, healthy, start
+from sandbox_helpers import LIMITS, boot_fixture, healthy, py, sandbox_fixture, sh  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.security
-
-
-@pytest.fixture(scope="module", params=BACKENDS)
-def sandbox(request):
-    sb = start(request.param)
-    yield sb
-    sb.close_sync()
-
-
-@pytest.fixture
-def boot(sandbox):
-    assert sandbox.reset_sync()
-    return boot_of(sandbox)
-
-
-def py(sandbox, code: str, timeout_s: float = 10.0):
-    return sandbox.run_tool_sync("run_python", {"code": code}, timeout_s=timeout_s)
-
-
-def sh(sandbox, command: str, timeout_s: float = 10.0):
-    return sandbox.run_tool_sync("run_shell", {"command": command}, timeout_s=timeout_s)
 
 
 LIBC = "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nrt = ctypes.CDLL('librt.so.1', use_errno=True)\n"
