@@ -117,6 +117,7 @@ class BaseSandbox:
     """Shared behaviour: per-call and per-episode time limits, serialised calls, the async facade."""
 
     kind = "base"
+    has_cgroup = False  # whether the kernel charges the sandbox's memory and processes to its limits
 
     def __init__(self, limits: SandboxLimits | None = None) -> None:
         self.limits = limits or SandboxLimits()

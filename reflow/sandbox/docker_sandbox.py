@@ -109,6 +109,7 @@ class DockerSandbox(BaseSandbox):
     """One container; see the module docstring. Create with `DockerSandbox.create()` or from a pool."""
 
     kind = "docker"
+    has_cgroup = True  # the container's own
 
     def __init__(self, container: Any, client: Any, limits: SandboxLimits) -> None:
         super().__init__(limits)
