@@ -204,3 +204,33 @@ def test_the_seccomp_tables_agree_with_libseccomp():
                 arch,
                 call,
             )
+
+
+# A later call must not find an earlier call's program or stdin (another episode's, another tenant's) in
+# its own memory, as it did when calls were forks of the long-lived tool server.
+SCAN_MEMORY = r"""
+import ctypes
+needle = bytes(reversed(NEEDLE))  # reversed in this program's text, so only a copy elsewhere counts
+hits = 0
+for line in open('/proc/self/maps').read().splitlines():
+    fields = line.split()
+    name = fields[5] if len(fields) > 5 else ''
+    if not fields[1].startswith('r') or name not in ('', '[heap]', '[stack]'):
+        continue  # unreadable, a mapped file (reading past its end faults) or a kernel page
+    lo, hi = (int(x, 16) for x in fields[0].split('-'))
+    hits += ctypes.string_at(lo, hi - lo).count(needle)
+print(hits)
+"""
+
+
+def test_a_call_cannot_read_an_earlier_calls_program_or_stdin(sandbox, boot):
+    program = "secret = 'first tenant: the expected value is 7f3a'\nprint(len(secret))\n" + "#" * 8000
+    first = sandbox.run_tool_sync(
+        "run_python", {"code": program, "stdin": "stdin of the first tenant " * 100}
+    )
+    assert first.stdout == "40\n"
+    assert sandbox.reset_sync()  # the next episode
+    for needle in (b"the expected value is 7f3a", b"stdin of the first tenant"):
+        scan = py(sandbox, f"NEEDLE = {needle[::-1]!r}\n" + SCAN_MEMORY, 20.0)
+        assert scan.exit_code == 0 and scan.stdout == "1\n", (needle, scan)  # its own needle only
+    healthy(sandbox, boot)

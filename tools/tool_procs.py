@@ -1,9 +1,9 @@
 """Running a tool call's process inside the sandbox: start it, feed it, collect its output, kill it.
 
 Part of the in-sandbox tool server (see tool_server.py; both are sent into the sandbox together).
-`Calls.run` starts the process with a launcher: `fork_python` forks the server's own interpreter and
-runs the code as `__main__` (no interpreter start-up per call), `spawn` uses posix_spawn (vfork and
-exec, several times cheaper than forking this interpreter to exec a program). Each call gets its own
+`Calls.run` starts the process with a launcher: `spawn` uses posix_spawn (vfork and exec, several
+times cheaper than forking this interpreter to exec a program); `spawn_python` spawns a new interpreter
+that runs the code as `__main__` (never a fork of the server, whose memory holds earlier calls' data). Each call gets its own
 session, rlimits (address space, CPU seconds, file size, no core dumps, optionally processes), an OOM
 score that makes the kernel take it before the server, a wall-clock timeout and a cap on the bytes kept
 from stdout and stderr (the rest is read and dropped, so a flood never blocks). After the call,
@@ -16,15 +16,12 @@ Standard library only (Python 3.8 or newer).
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import resource
 import selectors
 import signal
 import sys
 import time
-import traceback
-import types
 
 KILL_GRACE_S = 0.5
 MAX_OUTPUT_LIMIT = 32 * 1024 * 1024
@@ -156,31 +153,20 @@ class Calls:
             limits.append((resource.RLIMIT_NPROC, (self.config.nproc, self.config.nproc)))
         return limits
 
-    def fork_python(self, code: str, fds: tuple, workdir: str, limits: list) -> int:
-        """A forked copy of this interpreter running `code` as `__main__` (see `run_main`)."""
-        pid = os.fork()
-        if pid == 0:
-            try:
-                signal.set_wakeup_fd(-1)
-                for sig in (signal.SIGCHLD, signal.SIGINT):
-                    signal.signal(sig, signal.SIG_DFL)
-                os.setsid()
-                for target, fd in enumerate(fds):
-                    os.dup2(fd, target)
-                os.closerange(3, 65536)
-                os.chdir(workdir)
-                os.environ.clear()
-                os.environ.update(self.config.env)
-                for which, value in limits:
-                    with contextlib.suppress(ValueError, OSError):
-                        resource.setrlimit(which, value)
-                oom_first("self")
-                run_main(code)
-            except BaseException:
-                with contextlib.suppress(BaseException):
-                    os.write(2, traceback.format_exc().encode())
-            os._exit(127)
-        return pid
+    def spawn_python(self, code: str, fds: tuple, workdir: str, limits: list) -> int:
+        """A new interpreter running `code` as `__main__` (see RUNNER); the code comes on fd 3.
+
+        Not a fork of this server: a fork inherits the server's heap, where earlier calls' programs
+        and stdin linger (an earlier episode's, another client's), readable from the child's memory."""
+        memfd = os.memfd_create("main.py", os.MFD_CLOEXEC)
+        try:
+            view = memoryview(code.encode("utf-8", "surrogatepass"))
+            while view:
+                view = view[os.write(memfd, view) :]
+            os.lseek(memfd, 0, os.SEEK_SET)
+            return self.spawn(sys.executable, ["python3", "-s", "-c", RUNNER], (*fds, memfd), workdir, limits)
+        finally:
+            os.close(memfd)
 
     def spawn(self, path: str, argv: list, fds: tuple, workdir: str, limits: list) -> int:
         """posix_spawn (vfork and exec: several times cheaper than fork and exec of this interpreter).
@@ -343,57 +329,33 @@ class Calls:
         return reply
 
 
-def run_main(code: str) -> None:
-    """In a forked child: run `code` like `python3 main.py` would, then exit with its status."""
-    import builtins
-    import linecache
-
-    stdin = open(0, "rb", closefd=False)  # noqa: SIM115 (the program's stdin for its whole life)
-    sys.stdin = sys.__stdin__ = io.TextIOWrapper(stdin, encoding="utf-8")
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(
-        io.FileIO(1, "w", closefd=False), encoding="utf-8", write_through=True
-    )
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
-        io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", write_through=True
-    )
-    sys.argv = ["main.py"]
-    main = types.ModuleType("__main__")
-    main.__file__ = "main.py"
-    main.__builtins__ = builtins
-    sys.modules["__main__"] = main
+# The program a call's fresh interpreter runs: `code` from fd 3 as `__main__`, like `python3 main.py`
+# would (a traceback without this runner's frame, the exit status of SystemExit).
+RUNNER = r"""
+import os, sys, types
+if sys.path and sys.path[0] in ("", os.getcwd()):
+    del sys.path[0]
+chunks = []
+while True:
+    chunk = os.read(3, 1 << 20)
+    if not chunk:
+        break
+    chunks.append(chunk)
+os.close(3)
+code = b"".join(chunks).decode("utf-8", "surrogatepass")
+del chunks, chunk
+main = types.ModuleType("__main__")
+main.__file__ = "main.py"
+main.__builtins__ = __builtins__
+sys.modules["__main__"] = main
+sys.argv = ["main.py"]
+try:
+    exec(compile(code, "main.py", "exec", dont_inherit=True), main.__dict__)
+except SystemExit:
+    raise
+except BaseException as e:
+    import linecache, traceback
     linecache.cache["main.py"] = (len(code), None, code.splitlines(True), "main.py")
-    status = 0
-    try:
-        exec(compile(code, "main.py", "exec", dont_inherit=True), main.__dict__)
-    except SystemExit as e:
-        status = system_exit_status(e)
-    except BaseException as e:
-        tb = e.__traceback__.tb_next if e.__traceback__ is not None else None
-        with contextlib.suppress(BaseException):
-            traceback.print_exception(type(e), e, tb)
-        status = 1
-    try:
-        threading = sys.modules.get("threading")
-        if threading is not None:
-            threading._shutdown()  # type: ignore[attr-defined]
-        import atexit
-
-        atexit._run_exitfuncs()
-    except SystemExit as e:
-        status = system_exit_status(e)
-    except BaseException:
-        pass
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(BaseException):
-            stream.flush()
-    os._exit(status & 0xFF)
-
-
-def system_exit_status(e: SystemExit) -> int:
-    if e.code is None:
-        return 0
-    if isinstance(e.code, int):
-        return e.code
-    with contextlib.suppress(BaseException):
-        print(e.code, file=sys.stderr)
-    return 1
+    traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+    sys.exit(1)
+"""

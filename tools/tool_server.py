@@ -129,7 +129,7 @@ class ToolServer:
         memory_mb: int | None = None, cwd: str | None = None,
     ) -> dict:  # fmt: skip
         def launch(fds: tuple, workdir: str, limits: list) -> int:
-            return self.calls.fork_python(code, fds, workdir, limits)
+            return self.calls.spawn_python(code, fds, workdir, limits)
 
         memory = self.config.memory_mb if memory_mb is None else memory_mb
         return self.calls.run(launch, stdin, timeout_s, output_limit, memory, cwd)
