@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
 from pathlib import Path
 
 from reflow.config import ConfigError, load_config
@@ -48,6 +49,19 @@ def cmd_agent_train(args: argparse.Namespace) -> int:
                 )
             shutil.rmtree(config.run_dir)
     from reflow.recipes.agent_train import train
+    from reflow.sched.pool import start_ray
 
-    train(config, resume=bool(args.resume), console=console)
+    # A SIGTERM (a scheduler, `kill`) stops the run as Ctrl-C does, through the same cleanup (the
+    # workers' sandboxes removed), instead of ending the driver where it stands. After Ray starts:
+    # ray.init installs a SIGTERM handler of its own, which aborts.
+    start_ray(config)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        train(config, resume=bool(args.resume), console=console)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt

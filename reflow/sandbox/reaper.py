@@ -5,7 +5,9 @@ does not pass for the owner), the kernel's boot id and the host name. A containe
 its owner is provably dead: same host and boot with the pid gone or started at another time, or same
 host after a reboot. Containers of owners on other hosts (a shared engine) are left alone unless asked.
 The owner removes its own containers on a normal exit; the reaper covers `kill -9` and crashes, and a
-pool runs it when it starts.
+pool runs it when it starts. A driver that starts workers (Ray actors) names its run (`mark_run`); the
+workers' containers carry the name, and the driver removes them when it stops (`reap_run`), since
+killed workers close nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ BOOT_LABEL = "reflow.owner.boot"
 HOST_LABEL = "reflow.owner.host"
 POOL_LABEL = "reflow.pool"
 CREATED_LABEL = "reflow.created"
+RUN_LABEL = "reflow.run"
+RUN_ENV_VAR = "REFLOW_SANDBOX_RUN"
+"""Set by a driver (`mark_run`) and inherited by its workers: their containers carry it as RUN_LABEL."""
+RUN_REAP_WAIT_S = 10.0
 
 
 @cache
@@ -58,7 +64,39 @@ def owner_labels(pool: str = "") -> dict[str, str]:
         HOST_LABEL: socket.gethostname(),
         POOL_LABEL: pool,
         CREATED_LABEL: f"{time.time():.0f}",
+        RUN_LABEL: os.environ.get(RUN_ENV_VAR, ""),
     }
+
+
+def mark_run() -> str:
+    """Name this process's run (unless a parent already did) for the workers it starts to inherit."""
+    if not os.environ.get(RUN_ENV_VAR):
+        pid = os.getpid()
+        os.environ[RUN_ENV_VAR] = f"{socket.gethostname()}-{boot_id()[:8]}-{pid}-{process_start(pid)}"
+    return os.environ[RUN_ENV_VAR]
+
+
+def reap_run(client: Any = None, wait_s: float = RUN_REAP_WAIT_S) -> list[ReapedContainer]:
+    """Remove the containers of this process's run (`mark_run`): what its workers left when they were
+    killed rather than closed (a driver's shutdown, Ctrl-C). Waits up to `wait_s` for their owners on
+    this host to exit first, so that none is making another. Best effort: never raises."""
+    run = os.environ.get(RUN_ENV_VAR)
+    if not run:
+        return []
+    try:
+        if client is None:
+            from reflow.sandbox.images import docker_client
+
+            client = docker_client()
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            labels = [c.labels or {} for c in list_sandboxes(client)]
+            if not any(owner_status(x) == "alive" for x in labels if x.get(RUN_LABEL) == run):
+                break
+            time.sleep(0.2)
+        return reap(client, run=run)
+    except Exception:  # no Docker here (nothing to reap), or the engine refused: `reflow sandbox reap`
+        return []
 
 
 def owner_status(labels: dict[str, str]) -> str:
@@ -106,6 +144,7 @@ def reap(
     everything: bool = False,
     other_hosts: bool = False,
     older_than_s: float | None = None,
+    run: str | None = None,
     dry_run: bool = False,
 ) -> list[ReapedContainer]:
     """Remove sandbox containers whose owner is dead (and, when asked, others too).
@@ -115,6 +154,7 @@ def reap(
         everything: remove every ReFlow sandbox container, whoever owns it.
         other_hosts: also remove containers made on other hosts (a shared engine; use with care).
         older_than_s: also remove containers older than this, owner alive or not.
+        run: also remove the containers of this run (RUN_LABEL), owner alive or not.
         dry_run: report what would go without removing anything.
     """
     if client is None:
@@ -131,6 +171,8 @@ def reap(
             reason = "all"
         elif mine and is_mine(labels):
             reason = "mine"
+        elif run and labels.get(RUN_LABEL) == run:
+            reason = "run ended"
         elif status == "dead":
             reason = "owner dead"
         elif status == "unknown" and other_hosts:

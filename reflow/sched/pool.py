@@ -28,6 +28,7 @@ from typing import Any
 import ray
 
 from reflow.config import RunConfig
+from reflow.sandbox.reaper import mark_run, reap_run
 from reflow.sched.replay_service import REPLAY_THREADS, ReplayService, cycle_config
 from reflow.sched.role_change import RoleChange, move_slot
 from reflow.sched.workers import GroupReport, RolloutWorker, TrainerRank
@@ -46,6 +47,7 @@ def start_ray(config: RunConfig) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    mark_run()  # the workers inherit it: their sandboxes carry the run's name, for `shutdown` to remove
     address = config.resources.ray_address or os.environ.get("RAY_ADDRESS")
     if address and address != "local":
         ray.init(address=address, log_to_driver=True)
@@ -255,3 +257,4 @@ class ResourcePool:
         for pg in self.groups.values():
             with contextlib.suppress(Exception):
                 remove_placement_group(pg)
+        reap_run()  # killed workers close nothing: their sandbox containers go here (also on Ctrl-C)
