@@ -332,9 +332,10 @@ class Calls:
 # The program a call's fresh interpreter runs: `code` from fd 3 as `__main__`, like `python3 main.py`
 # would (a traceback without this runner's frame, the exit status of SystemExit).
 RUNNER = r"""
-import os, sys, types
-if sys.path and sys.path[0] in ("", os.getcwd()):
+import sys
+if sys.path and sys.path[0] == "":  # the work dir: nothing may be imported from it before the code runs
     del sys.path[0]
+import os, types
 chunks = []
 while True:
     chunk = os.read(3, 1 << 20)
