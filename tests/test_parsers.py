@@ -2,6 +2,8 @@
 
 import json
 import random
+import re
+import time
 
 import pytest
 
@@ -139,6 +141,45 @@ def test_parser_never_raises_on_garbage():
             assert c.parse_error is None or isinstance(c.parse_error, str)
             if c.parse_error is None:
                 assert c.name == "add" and isinstance(c.arguments, dict)
+
+
+def _hermes_by_regex(text: str) -> tuple[str, list[tuple[str, str | None]]]:
+    """What the hermes parser found with the regex it used before it was made linear: the reference."""
+    block = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+    calls = [(m.group(1).strip(), None) for m in block.finditer(text)]
+    content = block.sub("", text)
+    opened = content.rfind("<tool_call>")
+    if opened != -1:
+        calls.append((content[opened + len("<tool_call>") :].strip(), "cut"))
+        content = content[:opened]
+    return content.strip(), calls
+
+
+def test_the_hermes_parser_finds_what_the_regex_found():
+    rng = random.Random(1)
+    pieces = ["<tool_call>", "</tool_call>", "<tool_", "call>", "</tool", "x", " ", '{"name": "add"}', "\n"]
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
+        content, calls = get_parser("hermes")(text, "stop")
+        expected_content, expected = _hermes_by_regex(text)
+        assert content == expected_content, text
+        assert [(c.raw, "cut" if c.parse_error and "closing" in c.parse_error else None) for c in calls] == [
+            (raw, cut) for raw, cut in expected
+        ], text
+
+
+def test_the_hermes_parser_is_linear_in_unclosed_tags():
+    text = "<tool_call>" * ((1 << 20) // len("<tool_call>"))  # a megabyte; quadratic, this took minutes
+    start = time.perf_counter()
+    turn = parse_assistant(text, tools=TOOLS)
+    assert time.perf_counter() - start < 0.5
+    (cut,) = turn.tool_calls
+    assert "no closing </tool_call>" in cut.parse_error
+
+
+def test_a_deeply_nested_call_is_a_parse_error():
+    (c,) = parse_assistant("<tool_call>" + "[" * 100_000 + "</tool_call>", tools=TOOLS).tool_calls
+    assert c.parse_error is not None and "JSON" in c.parse_error
 
 
 def test_parser_registry():

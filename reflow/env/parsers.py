@@ -64,6 +64,8 @@ def _call_from_json(raw: str, index: int) -> ToolCall:
         obj: Any = json.loads(raw)
     except json.JSONDecodeError as e:
         return ToolCall(None, {}, raw, call_id, f"tool call is not valid JSON: {e.msg} at char {e.pos}")
+    except RecursionError:
+        return ToolCall(None, {}, raw, call_id, "tool call is not valid JSON: nested too deeply")
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return ToolCall(None, {}, raw, call_id, 'tool call must be a JSON object with a string "name"')
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -77,17 +79,28 @@ def _call_from_json(raw: str, index: int) -> ToolCall:
     return ToolCall(obj["name"], args, raw, call_id)
 
 
-_HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
 
 @register_parser("hermes")
 def parse_hermes(text: str, finish_reason: str) -> tuple[str, list[ToolCall]]:
     """Hermes / Qwen2.5 / Qwen3 style: one JSON object per <tool_call>...</tool_call> block."""
-    calls = [_call_from_json(m.group(1).strip(), i) for i, m in enumerate(_HERMES_BLOCK.finditer(text))]
-    content = _HERMES_BLOCK.sub("", text)
-    opened = content.rfind("<tool_call>")
+    # str.find, not the regex `<tool_call>(.*?)</tool_call>`: the regex scans to the end of the text
+    # from every unclosed opening tag, quadratic in the text's length (a megabyte took minutes).
+    calls: list[ToolCall] = []
+    kept, at = [], 0
+    while (start := text.find(_OPEN, at)) != -1:
+        end = text.find(_CLOSE, start + len(_OPEN))
+        if end == -1:  # no closing tag after this one, so none after any later one either
+            break
+        kept.append(text[at:start])
+        calls.append(_call_from_json(text[start + len(_OPEN) : end].strip(), len(calls)))
+        at = end + len(_CLOSE)
+    kept.append(text[at:])
+    content = "".join(kept)
+    opened = content.rfind(_OPEN)
     if opened != -1:  # an opening tag with no closing one: the call was cut off
-        raw = content[opened + len("<tool_call>") :].strip()
+        raw = content[opened + len(_OPEN) :].strip()
         error = CUT_OFF_ERROR if finish_reason == "length" else "tool call has no closing </tool_call> tag"
         calls.append(ToolCall(None, {}, raw, f"call_{len(calls)}", error))
         content = content[:opened]
