@@ -12,7 +12,16 @@ from gymnasium.utils.env_checker import check_env as gym_check_env
 from reflow_envs.calc.env import safe_eval
 
 import reflow
-from reflow.env import ToolError, env_ids, load_tasks, play_episode, scripted_policy, write_tasks
+from reflow.env import (
+    AssistantTurn,
+    ToolCall,
+    ToolError,
+    env_ids,
+    load_tasks,
+    play_episode,
+    scripted_policy,
+    write_tasks,
+)
 from reflow.env.checker import check_env
 
 QUICK_ENVS = [e for e in BUILTIN_ENVS if e != "reflow/PyCode-v0"]  # PyCode has its own test module
@@ -196,11 +205,25 @@ async def test_calc_grades_the_boxed_answer():
 
 
 @pytest.mark.parametrize(
-    "expr", ["__import__('os').system('true')", "9**9**9", "1/0", "a + 1", "(1,2)", "1" * 300]
+    "expr",
+    [
+        *["__import__('os').system('true')", "9**9**9", "1/0", "a + 1", "(1,2)", "1" * 300],
+        *["1e6**64", "1e999", "1e999 - 1e999", "(-8) ** 0.5", "1e308 * 10"],  # overflow, inf, NaN, complex
+    ],
 )
 def test_calculator_refuses_unsafe_or_bad_expressions(expr):
     with pytest.raises(ToolError):
         safe_eval(expr)
+
+
+async def test_an_arithmetic_error_is_a_tool_error_and_the_episode_goes_on():
+    env = reflow.make("reflow/Calc-v0")
+    await env.reset(seed=0)
+    call = ToolCall("calculator", {"expression": "1e6**64"}, "", "call_0")
+    step = await env.step(AssistantTurn("", [call]))
+    assert step.messages[0]["content"] == "Error: result out of range"
+    assert not (step.terminated or step.truncated) and "status" not in step.info
+    await env.close()
 
 
 def test_calculator_evaluates():

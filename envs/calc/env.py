@@ -79,7 +79,7 @@ def safe_eval(expression: str) -> float:
             and isinstance(node.value, (int, float))
             and not isinstance(node.value, bool)
         ):
-            return node.value
+            return _in_range(node.value)  # 1e999 reads as inf
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
             v = ev(node.operand)
             return v if isinstance(node.op, ast.UAdd) else -v
@@ -91,12 +91,18 @@ def safe_eval(expression: str) -> float:
                 value = _OPS[type(node.op)](left, right)
             except ZeroDivisionError:
                 raise ToolError("division by zero") from None
-            if isinstance(value, complex) or abs(value) > _MAX_ABS:
-                raise ToolError("result out of range")
-            return value
+            except (ArithmeticError, ValueError):  # 1e6**64 overflows: the model's mistake, not a bug
+                raise ToolError("result out of range") from None
+            return _in_range(value)
         raise ToolError(f"unsupported element in expression: {ast.dump(node)[:40]}")
 
     return ev(tree)
+
+
+def _in_range(value: float | complex) -> float:
+    if isinstance(value, complex) or not abs(value) <= _MAX_ABS:  # `not <=`: NaN is out of range too
+        raise ToolError("result out of range")
+    return value
 
 
 def _apply(op: str, a: float, b: float) -> float:
