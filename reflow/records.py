@@ -9,10 +9,29 @@ records go to JSONL, Parquet or the replay store without conversion code.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from reflow.env import Message
+
+MASKED_STATUSES: frozenset[str] = frozenset({"infra_error"})
+"""Episode statuses excluded from training. Other failures (timeout, env_error, truncated) are the
+policy's outcome and keep their reward."""
+
+SPREAD_TOL = 1e-9
+"""Rewards closer than this are equal. A group whose valid rewards all lie within it has no reward
+spread: its group-relative advantages are all 0, so it is never trained, replayed or counted as
+accepted. The one tolerance the workers, the replay store, the planner and the advantages use."""
+
+
+def reward_spread(rewards: Sequence[float]) -> float:
+    """max - min of a group's valid rewards; 0.0 when there are fewer than two or they differ by no
+    more than `SPREAD_TOL` (so `reward_spread(r) > 0` is "has spread" everywhere)."""
+    if len(rewards) < 2:
+        return 0.0
+    spread = float(max(rewards) - min(rewards))
+    return spread if spread > SPREAD_TOL else 0.0
 
 
 @dataclass
@@ -99,6 +118,19 @@ class EpisodeRecord:
     @property
     def n_generated_tokens(self) -> int:
         return sum(len(t.completion_ids) for t in self.turns)
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest policy version among the episode's sampled tokens (its start when it sampled
+        none): its age for every staleness bound and metric. A migrated or carried-over episode can
+        hold tokens older than its start (an engine that had not caught up generated them)."""
+        return min((v for t in self.turns for v in t.token_versions), default=self.policy_version_start)
+
+    @property
+    def newest_version(self) -> int:
+        """The newest policy version among its sampled tokens (its end when it sampled none): whether
+        the weights that made the episode are an ancestor of a resumed run's."""
+        return max((v for t in self.turns for v in t.token_versions), default=self.policy_version_end)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -385,3 +385,24 @@ def test_share_state_round_trips_and_a_zero_step_keeps_it_fixed():
 def test_config_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         CycleConfig(**kwargs)
+
+
+def test_one_definition_of_reward_spread_from_rewards_to_the_plan(store):
+    """Float noise is not spread: 0.1 + 0.2 against three 0.3s gives all-zero advantages, so the
+    worker's report, the store, the planner and replay all see a group without spread."""
+    from reflow.sched.workers import report_group
+    from reflow.train.advantages import group_advantages, has_spread
+
+    rewards = [0.1 + 0.2, 0.3, 0.3, 0.3]
+    assert rewards[0] != rewards[1] and group_advantages(rewards) == [0.0] * 4
+    assert not has_spread(rewards)
+    episodes, advantages = make_group("noise", rewards, n_turns=1, tokens=2)
+    assert not report_group(episodes, 1.0).has_spread
+    assert store.add_group(episodes, advantages).reward_spread == 0.0
+    add(store, "real", spread=1.0)
+    plan = plan_batch(store, want=2, current_version=0, share=0.0, cfg=CycleConfig())
+    assert ids(plan.fresh) == ["real"] and ids(plan.skipped) == ["noise"]
+    consume(store, plan, step=1)
+    later = plan_batch(store, want=2, current_version=1, share=1.0, cfg=CycleConfig(max_reuse=3))
+    assert ids(later.replay) == ["real"]  # the noise group is never replayed
+    assert accepted_groups(store) == 1

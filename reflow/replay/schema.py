@@ -20,7 +20,8 @@ import zlib
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
-from reflow.records import EpisodeRecord
+from reflow.records import MASKED_STATUSES, EpisodeRecord
+from reflow.records import reward_spread as spread_of
 
 SCHEMA_VERSION = 2
 
@@ -181,5 +182,5 @@ def decode_record(codec: str, blob: bytes) -> dict[str, Any]:
 
 
 def reward_spread(episodes: list[EpisodeRecord]) -> float:
-    rewards = [e.reward for e in episodes if e.status != "infra_error"]
-    return float(max(rewards) - min(rewards)) if rewards else 0.0
+    """The group's reward spread over the episodes training counts (`records.reward_spread`)."""
+    return spread_of([e.reward for e in episodes if e.status not in MASKED_STATUSES])

@@ -17,9 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-MASKED_STATUSES: frozenset[str] = frozenset({"infra_error"})
-"""Episode statuses excluded from training. Other failures (timeout, env_error, truncated) are the
-policy's outcome and keep their reward."""
+from reflow.records import MASKED_STATUSES, reward_spread
 
 
 def valid_for_training(status: str) -> bool:
@@ -40,11 +38,10 @@ def _valid_rewards(rewards: Sequence[float], mask: Sequence[bool] | None) -> lis
     return [float(r) for r, keep in zip(rewards, mask, strict=True) if keep]
 
 
-def has_spread(rewards: Sequence[float], tol: float = 1e-9, *, mask: Sequence[bool] | None = None) -> bool:
-    """Whether the (unmasked) rewards differ by more than `tol`; fewer than two valid episodes never
-    have spread, as there is nothing to compare."""
-    valid = _valid_rewards(rewards, mask)
-    return len(valid) >= 2 and max(valid) - min(valid) > tol
+def has_spread(rewards: Sequence[float], *, mask: Sequence[bool] | None = None) -> bool:
+    """Whether the (unmasked) rewards differ by more than `records.SPREAD_TOL`; fewer than two valid
+    episodes never have spread, as there is nothing to compare."""
+    return reward_spread(_valid_rewards(rewards, mask)) > 0
 
 
 def group_advantages(
@@ -53,20 +50,19 @@ def group_advantages(
     scale: Literal["std", "none"] = "std",
     eps: float = 1e-6,
     mask: Sequence[bool] | None = None,
-    tol: float = 1e-9,
 ) -> list[float]:
     """GRPO advantages of one group: (r - mean) / (std + eps) with the population std, or r - mean
     when `scale="none"` (Dr. GRPO's unscaled variant).
 
     `mask` (e.g. from `train_mask`) excludes episodes: they do not enter the mean or std and get
     advantage 0.0 (the trainer should also drop their tokens). A group without spread (see
-    `has_spread`, same `tol`) gets exactly 0.0 everywhere rather than float noise over eps.
+    `has_spread`) gets exactly 0.0 everywhere rather than float noise over eps.
     """
     if scale not in ("std", "none"):
         raise ValueError(f"scale must be 'std' or 'none', got {scale!r}")
     keep = [True] * len(rewards) if mask is None else [bool(m) for m in mask]
     valid = _valid_rewards(rewards, keep)
-    if not has_spread(valid, tol):
+    if not has_spread(valid):
         return [0.0] * len(rewards)
     mean = math.fsum(valid) / len(valid)
     denom = 1.0
@@ -99,7 +95,6 @@ def select_groups(
     *,
     masks: Sequence[Sequence[bool] | None] | None = None,
     drop_zero_spread: bool = True,
-    tol: float = 1e-9,
 ) -> GroupSelection:
     """Zero-spread filtering (DAPO dynamic sampling): keep the groups whose unmasked rewards differ.
 
@@ -109,7 +104,7 @@ def select_groups(
     if masks is not None and len(masks) != len(groups_rewards):
         raise ValueError(f"{len(masks)} masks for {len(groups_rewards)} groups")
     spread = [
-        has_spread(rewards, tol, mask=None if masks is None else masks[i])
+        has_spread(rewards, mask=None if masks is None else masks[i])
         for i, rewards in enumerate(groups_rewards)
     ]
     keep = spread if drop_zero_spread else [True] * len(spread)
