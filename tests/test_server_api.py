@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import httpx
 import pytest
@@ -297,7 +298,9 @@ def test_step_timeout_and_session_deadline_end_the_episode_as_timeout(http):
     assert r["state"] == "done"
     assert (r["result"]["info"]["status"], r["result"]["info"]["termination"]) == ("timeout", "step_timeout")
 
-    short = _create(http, env_id="test/Slow-v0", deadline_s=0.2).json()["session_id"]
+    short = _create(http, env_id="test/Slow-v0", env_kwargs={"step_s": 2.0}, deadline_s=1)
+    short = short.json()["session_id"]
+    time.sleep(0.7)  # the deadline (a second, the shortest allowed) now ends before the step timeout
     r = http.post(f"/v1/sessions/{short}/step", json={"turn_index": 0, "turn": _turn("hi")}).json()
     assert (r["result"]["info"]["status"], r["result"]["info"]["termination"]) == ("timeout", "deadline")
 

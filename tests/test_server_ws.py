@@ -209,9 +209,9 @@ async def test_a_request_that_finds_the_socket_busy_waits_only_its_own_timeout(s
 
 
 async def test_a_session_deadline_over_the_socket_ends_the_episode_as_timeout(server):
-    env = reflow.make("reflow/Remote-v0", **remote_kwargs(server, "reflow/Calc-v0", session_deadline_s=0.3))
+    env = reflow.make("reflow/Remote-v0", **remote_kwargs(server, "reflow/Calc-v0", session_deadline_s=1.0))
     await env.reset(seed=0)
-    await asyncio.sleep(0.6)
+    await asyncio.sleep(1.3)  # past the deadline (a second, the shortest a client may ask for)
     result = await env.step(parse_assistant(CALL, tools=env.unwrapped.tools))
     assert result.done and result.info["status"] == "timeout" and result.info["termination"] == "deadline"
     await env.close()

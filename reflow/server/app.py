@@ -33,6 +33,7 @@ from reflow.server.routes import capacity, envs, error_response, health, session
 from reflow.server.schemas import ApiError, StepRequest
 from reflow.server.sessions import SessionManager, served_env_ids
 from reflow.server.settings import ServerSettings
+from reflow.server.sockets import WsGate
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         redoc_url=None,
     )
     app.state.settings = settings
+    app.state.ws_gate = WsGate(settings.max_connections, settings.ws_idle_timeout_s, settings.retry_after_s)
 
     for module in (health, sessions, envs, capacity, ws):  # ws: the session protocol over one WebSocket
         app.include_router(module.router)

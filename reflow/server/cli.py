@@ -86,6 +86,9 @@ def _settings(args: argparse.Namespace, token: str | None) -> ServerSettings:
         idle_timeout_s=args.idle_timeout,
         reaper_interval_s=min(5.0, args.idle_timeout / 4),
         shutdown_grace_s=args.shutdown_grace,
+        max_connections=args.max_connections,
+        head_timeout_s=args.head_timeout,
+        ws_idle_timeout_s=args.ws_idle_timeout,
         env_ids=args.env or None,
         env_kwargs=_env_kwargs(args.env_kwargs),
         client_env_kwargs=frozenset(args.allow_client_kwarg or ()),
@@ -98,6 +101,7 @@ def cmd_serve_envs(args: argparse.Namespace) -> int:
         import uvicorn
 
         from reflow.server.app import create_app
+        from reflow.server.connections import uvicorn_options
     except ImportError as e:
         raise CommandError(
             f"serve-envs needs the server extra (pip install 'reflow-rl[server]'): {e}"
@@ -124,6 +128,7 @@ def cmd_serve_envs(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 1,
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
+        **uvicorn_options(settings),  # connection limits, frame size, no compression
     )
     gc.freeze()  # the start-up heap (imports, the app) is never garbage: keep it out of every GC pass
     uvicorn.Server(config).run(sockets=[sock])
@@ -154,6 +159,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-deadline", type=float, default=3600.0, help="longest deadline a client may ask")
     p.add_argument("--idle-timeout", type=float, default=300.0, help="close sessions idle this long")
     p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight steps get on stop")
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        help="open connections, WebSockets included (default: 1024 or 2x sessions)",
+    )
+    p.add_argument(
+        "--head-timeout",
+        type=float,
+        default=ServerSettings.head_timeout_s,
+        help="seconds a request head may take to arrive",
+    )
+    p.add_argument(
+        "--ws-idle-timeout",
+        type=float,
+        default=ServerSettings.ws_idle_timeout_s,
+        help="close WebSockets idle this long",
+    )
     p.add_argument("--env", action="append", metavar="ID", help="serve only these envs (repeatable)")
     p.add_argument("--env-kwargs", help='constructor kwargs per env, JSON: {"reflow/PyCode-v0": {...}}')
     p.add_argument(

@@ -25,6 +25,12 @@ How our shapes map onto OpenEnv's:
 | episode status, termination, success     | `metadata` (top level and in the observation, as openenv 0.10)    |
 | our errors (kind, code)                  | `VALIDATION_ERROR` (a bad action or reset), `EXECUTION_ERROR`     |
 |                                          |   (everything else), `CAPACITY_REACHED` (then the socket closes)   |
+
+Limits, as over HTTP and `/v1/ws` (`reflow.server.sockets`): a frame over the body limit answers
+`VALIDATION_ERROR` (over twice the limit it is not read: the socket closes with 1009), one that is not
+JSON (or not UTF-8, or nested too deeply) `INVALID_JSON`; an action has at most 64 tool calls (a raw
+`text`, at most 64 opening `<tool_call>` tags); past the connection limit a handshake is refused (503),
+and an idle socket is closed.
 """
 
 from __future__ import annotations
@@ -35,16 +41,21 @@ import secrets
 from dataclasses import asdict
 from typing import Any
 
+import pydantic_core
 from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from reflow.env import AssistantTurn, ToolCall, parse_assistant
 from reflow.server.auth import check_token
-from reflow.server.schemas import ApiError, CreateSession
+from reflow.server.schemas import MAX_TOOL_CALLS, MIN_DEADLINE_S, ApiError, CreateSession
+from reflow.server.sockets import WsGate, frame_data, read_frame
 
 router = APIRouter(prefix="/openenv/{namespace}/{name}", include_in_schema=False)
 PARSER = "hermes"
+OPEN_TAG = "<tool_call>"
+MAX_TEXT_CHARS = 1 << 20
+"""Characters of an action's `content` or `text` (the body limit bounds a frame's bytes first)."""
 
 
 class _Strict(BaseModel):
@@ -52,17 +63,19 @@ class _Strict(BaseModel):
 
 
 class ActionToolCall(_Strict):
-    name: str = Field(description="a tool of the env (the observation's `tools`)")
+    name: str = Field(max_length=256, description="a tool of the env (the observation's `tools`)")
     arguments: dict[str, Any] = Field(default_factory=dict)
-    id: str | None = None
+    id: str | None = Field(None, max_length=128)
 
 
 class ReflowAction(_Strict):
     """One assistant turn: `content` and `tool_calls`, or the raw model `text` to parse here."""
 
-    content: str = ""
-    tool_calls: list[ActionToolCall] = Field(default_factory=list)
-    text: str | None = Field(None, description="raw model output; tool calls in it are parsed here")
+    content: str = Field("", max_length=MAX_TEXT_CHARS)
+    tool_calls: list[ActionToolCall] = Field(default_factory=list, max_length=MAX_TOOL_CALLS)
+    text: str | None = Field(
+        None, max_length=MAX_TEXT_CHARS, description="raw model output; tool calls in it are parsed here"
+    )
     metadata: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -86,7 +99,7 @@ class _ResetData(BaseModel):
     seed: int | None = None
     episode_id: str | None = Field(None, max_length=255)
     task: dict[str, Any] | None = None
-    deadline_s: float | None = None
+    deadline_s: float | None = Field(None, ge=MIN_DEADLINE_S)
 
 
 def _env_id(namespace: str, name: str) -> str:
@@ -132,7 +145,7 @@ async def schema(request: Request, namespace: str, name: str) -> dict[str, Any]:
 async def mcp(request: Request, namespace: str, name: str) -> JSONResponse:
     _served(request, _env_id(namespace, name))
     try:
-        body = json.loads(await request.body() or b"null")
+        body = pydantic_core.from_json(await request.body() or b"null")  # ValueError when nested too deeply
     except ValueError:
         return _rpc(None, -32700, "Parse error")
     if not isinstance(body, dict) or body.get("jsonrpc") != "2.0" or not isinstance(body.get("method"), str):
@@ -157,8 +170,18 @@ async def ws(websocket: WebSocket, namespace: str, name: str) -> None:
         except ApiError:
             await websocket.close(code=1008)  # before accept: the handshake answers 403
             return
-    await websocket.accept()
-    session = WsSession(app.state.manager, _env_id(namespace, name))
+    gate: WsGate = app.state.ws_gate
+    if not await gate.enter(websocket):
+        return
+    try:
+        await websocket.accept()
+        session = WsSession(app.state.manager, _env_id(namespace, name), app.state.settings.max_body_bytes)
+        await _serve(websocket, gate, session)
+    finally:
+        gate.leave()
+
+
+async def _serve(websocket: WebSocket, gate: WsGate, session: WsSession) -> None:
     try:
         refusal = session.refusal()
         if refusal is not None:
@@ -166,7 +189,10 @@ async def ws(websocket: WebSocket, namespace: str, name: str) -> None:
             await websocket.close()
             return
         while True:
-            reply, keep_open = await session.handle(await websocket.receive_text())
+            message = await gate.receive(websocket)
+            if message is None or message["type"] == "websocket.disconnect":
+                return
+            reply, keep_open = await session.handle(frame_data(message))
             if reply is not None:
                 await websocket.send_json(reply)
             if not keep_open:
@@ -185,8 +211,8 @@ def _error(code: str, message: str, **extra: Any) -> dict[str, Any]:
 class WsSession:
     """One OpenEnv connection: its current ReFlow session, turn index and episode id."""
 
-    def __init__(self, manager: Any, env_id: str) -> None:
-        self.manager, self.env_id = manager, env_id
+    def __init__(self, manager: Any, env_id: str, max_bytes: int) -> None:
+        self.manager, self.env_id, self.max_bytes = manager, env_id, max_bytes
         self.session_id: str | None = None
         self.episode_id: str | None = None
         self.turns = 0
@@ -208,12 +234,12 @@ class WsSession:
         message = f"Server at capacity: {active}/{most} sessions active. Cannot accept new connections."
         return _error("CAPACITY_REACHED", message, active_sessions=active, max_sessions=most)
 
-    async def handle(self, frame: str) -> tuple[dict[str, Any] | None, bool]:
+    async def handle(self, frame: str | bytes) -> tuple[dict[str, Any] | None, bool]:
         """The reply to one frame and whether the socket stays open."""
         try:
-            message = json.loads(frame)
-        except ValueError as e:
-            return _error("INVALID_JSON", f"Invalid JSON: {e}"), True
+            message = read_frame(frame, self.max_bytes)
+        except ApiError as e:  # too large: the model wrote too much; else not JSON
+            return _error("VALIDATION_ERROR" if e.status == 413 else "INVALID_JSON", e.message), True
         kind = message.get("type") if isinstance(message, dict) else None
         data = message.get("data") if isinstance(message, dict) else None
         try:
@@ -271,6 +297,12 @@ class WsSession:
 
     def _turn(self, action: ReflowAction) -> AssistantTurn:
         if action.text is not None:
+            # Every call the parser finds opens with a tag: counting them (linear, in C) bounds the
+            # calls before the parse, which costs far more per call.
+            if action.text.count(OPEN_TAG) > MAX_TOOL_CALLS:
+                raise ApiError(
+                    422, "agent", "too_many_tool_calls", f"a turn has at most {MAX_TOOL_CALLS} tool calls"
+                )
             s = self.manager.sessions.get(self.session_id)
             tools = s.env.unwrapped.tools if s is not None and s.env is not None else None
             return parse_assistant(action.text, parser=PARSER, tools=tools)

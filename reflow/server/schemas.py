@@ -66,6 +66,10 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+MAX_TOOL_CALLS = 64
+"""Tool calls in one turn, over every protocol (each is run, and answered with a message)."""
+MIN_DEADLINE_S = 1.0
+"""The shortest session deadline a client may ask for: less and the session is over before it plays."""
 JSON_SAFE_INT = 2**53 - 1
 """The largest integer every JSON parser reads exactly (I-JSON, RFC 7493); past it 2**63 - 1 arrives as
 a float that rounds to 2**63."""
@@ -102,7 +106,7 @@ class WireTurn(_Request):
     """`reflow.env.AssistantTurn` on the wire."""
 
     content: str = ""
-    tool_calls: list[WireToolCall] = Field(default_factory=list, max_length=64)
+    tool_calls: list[WireToolCall] = Field(default_factory=list, max_length=MAX_TOOL_CALLS)
     reasoning: str | None = None
     finish_reason: str = Field("stop", max_length=32)
     raw_text: str | None = None
@@ -119,7 +123,7 @@ class CreateSession(_Request):
         None, ge=-JSON_SAFE_INT, le=JSON_SAFE_INT, description="chooses the task when none is given"
     )
     deadline_s: float | None = Field(
-        None, gt=0, le=86400, description="wall-clock budget from now, sandbox start included"
+        None, ge=MIN_DEADLINE_S, le=86400, description="wall-clock budget from now, sandbox start included"
     )
     env_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="constructor kwargs, only those the server allows clients"

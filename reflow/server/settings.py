@@ -39,6 +39,15 @@ class ServerSettings:
     """Idle envs kept per env id and kwargs, reset for the next session instead of built again."""
     shutdown_grace_s: float = 10.0
     """On shutdown, in-flight steps get this long to finish before they are cancelled."""
+    max_connections: int | None = None
+    """Open connections at once, WebSockets included: past it an HTTP request gets 503 (uvicorn's
+    `limit_concurrency`) and a WebSocket handshake 503 with Retry-After. None: 1024, or twice
+    `max_sessions` when that is more (a RemoteEnv holds one WebSocket a session)."""
+    head_timeout_s: float = 10.0
+    """A request's head (request line and headers) must arrive within this long of its first byte, or
+    of the connection's start; else the connection is closed (408), so slow heads cannot hold it."""
+    ws_idle_timeout_s: float = 300.0
+    """A WebSocket on which the client sends no frame for this long is closed (1000)."""
     env_ids: list[str] | None = None
     """Envs to serve (None: every registered env that runs here)."""
     env_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -52,7 +61,18 @@ class ServerSettings:
             raise ValueError(f"no token: give one (a file or ${TOKEN_ENV_VAR}) or run with no_auth=True")
         if self.max_sessions < 1 or self.max_body_bytes < 1024:
             raise ValueError("max_sessions must be >= 1 and max_body_bytes >= 1024")
-        for name in ("step_timeout_s", "default_deadline_s", "max_deadline_s", "idle_timeout_s"):
+        if self.max_connections is None:
+            self.max_connections = max(1024, 2 * self.max_sessions)
+        if self.max_connections < 1:
+            raise ValueError("max_connections must be >= 1")
+        for name in (
+            "step_timeout_s",
+            "default_deadline_s",
+            "max_deadline_s",
+            "idle_timeout_s",
+            "head_timeout_s",
+            "ws_idle_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         self.client_env_kwargs = frozenset(self.client_env_kwargs)

@@ -16,7 +16,11 @@ a step's CPU on both ends. `RemoteEnv` uses it by default and keeps one socket f
   {"Retry-After": "1"}`. `BODY` is what the HTTP route answers, errors included (`{error_kind, code,
   message}` with the same codes). A frame that is not JSON answers 400 `bad_request` (id null), one
   that does not fit the protocol 422 `invalid_request`, one over the body limit 413 `body_too_large`;
-  the socket stays open after any of them.
+  the socket stays open after any of them. A frame over twice the body limit is not read: the socket
+  closes with 1009.
+- Limits shared with OpenEnv's protocol (`reflow.server.sockets`): past the server's connection limit a
+  handshake is refused (503, Retry-After); a socket that sends no frame for `ws_idle_timeout_s` is
+  closed (1000).
 - Frames of one socket are answered one at a time, in order. A session is not tied to its socket: a
   client that loses the socket reconnects and retries the step with the same turn index (answered from
   the store), and a session whose socket is gone is closed by the reaper like any idle one.
@@ -32,10 +36,11 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
 from reflow.server.auth import check_token
-from reflow.server.routes import error_response, validation_message
+from reflow.server.routes import validation_message
 from reflow.server.routes.sessions import create_text, deleted, step_text
 from reflow.server.schemas import ApiError, CreateSession, StepRequest
 from reflow.server.sessions import SessionManager
+from reflow.server.sockets import WsGate, deny, frame_data, read_frame
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -50,43 +55,36 @@ async def session_socket(websocket: WebSocket) -> None:
         try:
             check_token(websocket.headers.get("authorization", "").encode(), settings.token.encode())
         except ApiError as e:
-            await _deny(websocket, e)
+            await deny(websocket, e)
             return
-    await websocket.accept()
-    manager: SessionManager = websocket.app.state.manager
+    gate: WsGate = websocket.app.state.ws_gate
+    if not await gate.enter(websocket):
+        return
+    try:
+        await websocket.accept()
+        await _serve(websocket, gate, websocket.app.state.manager, settings.max_body_bytes)
+    finally:
+        gate.leave()
+
+
+async def _serve(websocket: WebSocket, gate: WsGate, manager: SessionManager, max_bytes: int) -> None:
     while True:
-        message = await websocket.receive()
-        if message["type"] == "websocket.disconnect":
+        message = await gate.receive(websocket)
+        if message is None or message["type"] == "websocket.disconnect":
             return
-        frame = message.get("text")
-        if frame is None:
-            frame = message.get("bytes") or b""
-        reply = await answer(manager, frame, settings.max_body_bytes)
+        reply = await answer(manager, frame_data(message), max_bytes)
         try:
             await websocket.send_text(reply)
         except (WebSocketDisconnect, OSError):  # gone mid-step: the step is stored for the retry
             return
 
 
-async def _deny(websocket: WebSocket, e: ApiError) -> None:
-    """The HTTP route's answer to a bad token, where the server can send one (the ASGI denial-response
-    extension; uvicorn has it), else a plain refusal (403, no body)."""
-    if "websocket.http.response" in websocket.scope.get("extensions", {}):
-        await websocket.send_denial_response(error_response(e.status, e.kind, e.code, e.message, e.headers))
-    else:
-        await websocket.close(code=1008)
-
-
 async def answer(manager: SessionManager, frame: str | bytes, max_bytes: int) -> str:
     """The answer frame to one request frame (never raises: every failure is an error answer)."""
-    # A text frame's length in bytes is its UTF-8 length (up to 4 a character): encoded only when it matters.
-    size = len(frame) if isinstance(frame, bytes) or 4 * len(frame) <= max_bytes else len(frame.encode())
-    if size > max_bytes:
-        return _error(None, ApiError(413, "agent", "body_too_large", f"frame over {max_bytes} bytes"))
     try:
-        request = json.loads(frame)
-    except ValueError as e:  # UnicodeDecodeError included
-        return _error(None, ApiError(400, "agent", "bad_request", f"a frame must be JSON text: {e}"))
+        request = read_frame(frame, max_bytes)
+    except ApiError as e:  # over the limit, or not JSON
+        return _error(None, e)
     request_id = request.get("id") if isinstance(request, dict) else None
     if isinstance(request_id, bool) or not isinstance(request_id, (int, str, type(None))):
         request_id = None
