@@ -139,6 +139,7 @@ async def test_longtail_lookup_walks_the_trail_and_refuses_unknown_keys():
         return (await env.step(turn)).messages[0]["content"]
 
     assert await lookup("zzzz") == "Error: no entry for key 'zzzz'"
+    assert await lookup("\x00" * 100_000) == f"Error: no entry for key {chr(0) * 32!r} (cut)"
     assert await lookup("abcd") == "next key: efgh"
     assert await lookup("efgh") == "value: 42"
     done = await env.step(parse_assistant("\\boxed{42}"))

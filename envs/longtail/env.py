@@ -76,7 +76,9 @@ class LongTailEnv(ToolEnv):
         trail = self.task["trail"]
         key = key.strip()
         if key not in trail:
-            raise ToolError(f"no entry for key {key!r}")
+            # A key is a few characters: a longer one is echoed cut, so a turn cannot make the answer
+            # many times its own size (the repr of a megabyte of control characters is four).
+            raise ToolError(f"no entry for key {key[:32]!r}" + (" (cut)" if len(key) > 32 else ""))
         i = trail.index(key)
         self.walked = max(self.walked, i + 1)
         return f"value: {self.task['answer']}" if i == len(trail) - 1 else f"next key: {trail[i + 1]}"
