@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.security, pytest.mark.filterwarnings("ignore::Deprecat
 
 LIMIT = 1 << 20  # the server's default body limit
 TAG = "<tool_call>"
-FAST_S = 0.1
+REFUSED_S = 0.1  # a megabyte refused, or refused unparsed: at once
+ANSWERED_S = 1.0  # a megabyte played: its JSON and the step's hash of it cost tens of ms on a loaded CI
 CALL = {"name": "calculator", "arguments": {"expression": "6 * 7"}}
 
 
@@ -65,13 +66,13 @@ async def openenv_reset(ws) -> None:
 def test_an_http_step_of_a_megabyte_of_tags_is_answered_or_refused_at_once(server):
     with server.client() as http:
         sid = http.post("/v1/sessions", json={"env_id": "reflow/Calc-v0", "seed": 1}).json()["session_id"]
-        for size, status in ((LIMIT - 1024, 200), (LIMIT + 1024, 413)):
+        for size, status, bound in ((LIMIT - 1024, 200, ANSWERED_S), (LIMIT + 1024, 413, REFUSED_S)):
             body = {"turn_index": 0, "turn": {"content": tags(size), "raw_text": None}}
             start = time.perf_counter()
             r = http.post(f"/v1/sessions/{sid}/step", json=body)
             took = time.perf_counter() - start
             assert r.status_code == status, r.text[:300]
-            assert took < FAST_S, (size, took)
+            assert took < bound, (size, took)
 
 
 async def test_a_frame_of_a_megabyte_of_tags_is_answered_or_refused_at_once_on_our_socket(server):
@@ -80,12 +81,12 @@ async def test_a_frame_of_a_megabyte_of_tags_is_answered_or_refused_at_once_on_o
             ws, json.dumps({"id": 1, "op": "create", "body": {"env_id": "reflow/Calc-v0"}})
         )
         sid = created["body"]["session_id"]
-        for size, status in ((LIMIT - 1024, 200), (LIMIT + 1024, 413)):
+        for size, status, bound in ((LIMIT - 1024, 200, ANSWERED_S), (LIMIT + 1024, 413, REFUSED_S)):
             turn = {"content": "", "tool_calls": [], "raw_text": tags(size)}
             frame = {"id": 2, "op": "step", "session_id": sid, "body": {"turn_index": 0, "turn": turn}}
             answer, took = await exchange(ws, json.dumps(frame))
             assert answer["status"] == status, str(answer)[:300]
-            assert took < FAST_S, (size, took)
+            assert took < bound, (size, took)
 
 
 async def test_an_openenv_action_of_a_megabyte_of_tags_is_answered_at_once(server):
@@ -93,16 +94,16 @@ async def test_an_openenv_action_of_a_megabyte_of_tags_is_answered_at_once(serve
         await openenv_reset(ws)
         answer, took = await exchange(ws, json.dumps({"type": "step", "data": {"text": tags(LIMIT - 1024)}}))
         assert answer["data"]["code"] == "VALIDATION_ERROR" and "64 tool calls" in answer["data"]["message"]
-        assert took < FAST_S, took
+        assert took < REFUSED_S, took
         over, took = await exchange(ws, json.dumps({"type": "step", "data": {"text": tags(LIMIT + 1024)}}))
         assert over["data"]["code"] == "VALIDATION_ERROR" and "bytes" in over["data"]["message"], over
-        assert took < FAST_S, took
+        assert took < REFUSED_S, took
         text = TAG * 64 + "x" * (LIMIT - 2048)  # as many unclosed tags as a turn may have, and a long tail
         answer, took = await exchange(ws, json.dumps({"type": "step", "data": {"text": text}}))
         assert answer["type"] == "observation", str(answer)[:300]
         (message,) = answer["data"]["observation"]["messages"]
         assert "no closing </tool_call>" in message["content"]  # one cut-off call, answered to the model
-        assert took < FAST_S, took
+        assert took < ANSWERED_S, took
 
 
 async def test_frames_far_over_the_limit_close_the_socket_unread(server):
