@@ -3,7 +3,7 @@
 import pytest
 
 from reflow.config import load_config
-from reflow.recipes.run_log import run_summary, step_record
+from reflow.recipes.run_log import run_summary, step_record, summary_table
 from reflow.recipes.run_state import RunState
 
 
@@ -11,10 +11,42 @@ def test_rollout_idle_ratio_integrates_the_slot_count_over_time():
     state = RunState()
     state.count_rollout_slots(2, 10.0)  # two rollout slots for 10 s, then one moves to the trainer
     state.wall_s, state.rollout_busy_s = 20.0, 15.0
-    record = step_record(state, 1, [], 0, {"trained_tokens": 0.0}, [], {})
+    record = step_record(state, 1, [], 0, {"trained_tokens": 0.0, "new_trained_tokens": 0.0}, [], {})
     assert state.rollout_slot_s == 30.0  # 2 x 10 + 1 x 10, not 1 x 20 (nor 2 x 20)
     assert record["rollout_idle_ratio"] == pytest.approx(0.5)
     config = load_config(None, ["env.id=reflow/Calc-v0", "mode=reflow"])
     assert run_summary(config, state)["rollout_idle_ratio"] == pytest.approx(0.5)
     state.count_rollout_slots(1, 15.0)  # a count for an earlier second adds nothing
     assert (state.rollout_slot_s, state.slots_counted_s) == (30.0, 20.0)
+
+
+def test_new_trained_tokens_per_s_counts_a_group_once_and_trained_tokens_per_s_every_replay():
+    """Step 1 trains groups a and b for the first time (100 + 60 tokens); step 2 replays a and trains
+    c for the first time (40 tokens): 300 tokens trained, 200 of them new work."""
+    state = RunState()
+    steps = [({"trained_tokens": 160.0, "new_trained_tokens": 160.0}, 10.0)]
+    steps += [({"trained_tokens": 140.0, "new_trained_tokens": 40.0}, 20.0)]
+    records = []
+    for metrics, wall in steps:
+        state.wall_s = wall
+        records.append(step_record(state, 1, [], 2, metrics, [0, 1], {}))
+    assert records[0]["new_trained_tokens_per_s"] == records[0]["trained_tokens_per_s"] == 16.0
+    assert records[1]["new_trained_tokens_per_s"] == pytest.approx(10.0)  # 200 / 20
+    assert records[1]["trained_tokens_per_s"] == pytest.approx(15.0)  # 300 / 20
+    assert records[1]["new_trained_tokens"] == 40.0  # the step's own count is kept in its record
+    config = load_config(None, ["env.id=reflow/Calc-v0", "mode=reflow"])
+    summary = run_summary(config, state)
+    assert summary["new_trained_tokens_per_s"] == pytest.approx(10.0)
+    assert summary["new_trained_tokens_per_s"] <= summary["trained_tokens_per_s"]
+    rows = [row[0] for row in _cells(summary_table(summary))]
+    # the table headlines new work, then work with replays, each saying which tokens it counts
+    assert (
+        rows.index("new_trained_tokens_per_s (first use of a group)")
+        < rows.index("trained_tokens_per_s (with replays)")
+        < rows.index("generated_tokens")
+    )
+
+
+def _cells(table):
+    columns = [list(c.cells) for c in table.columns]
+    return list(zip(*columns, strict=True))

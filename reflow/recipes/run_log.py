@@ -29,6 +29,7 @@ STEP_COLUMNS = (
     ("success", "success_rate", "{:.2f}"),
     ("held-out", "heldout_success", "{:.2f}"),
     ("zero-spread", "zero_spread_share", "{:.2f}"),
+    ("new tok/s", "new_trained_tokens_per_s", "{:.0f}"),
     ("gen tok/s", "generated_tokens_per_s", "{:.0f}"),
     ("rollout s", "rollout_s", "{:.1f}"),
     ("train s", "train_s", "{:.1f}"),
@@ -121,13 +122,42 @@ def read_metrics(run_dir: str | Path, kind: str | None = None) -> list[dict[str,
     return [r for r in rows if kind is None or r["kind"] == kind]
 
 
+HEADLINE = (
+    "heldout_success_start",
+    "heldout_success_final",
+    "heldout_success_best",
+    "greedy_start",
+    "greedy_final",
+    "new_trained_tokens_per_s",
+    "trained_tokens_per_s",
+)
+"""The summary table's first rows: quality, then new work per second, then work with reuse."""
+LABELS = {
+    "new_trained_tokens_per_s": "new_trained_tokens_per_s (first use of a group)",
+    "trained_tokens_per_s": "trained_tokens_per_s (with replays)",
+}
+"""Row labels that say which tokens a rate counts."""
+
+
 def summary_table(summary: dict[str, Any]) -> Table:
+    """The run summary, headline rows first (`HEADLINE`), then the rest in the summary's order."""
     table = Table(title="run summary")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for key, value in summary.items():
-        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    keys = [k for k in HEADLINE if k in summary] + [k for k in summary if k not in HEADLINE]
+    for key in keys:
+        value = summary[key]
+        table.add_row(LABELS.get(key, key), f"{value:.4g}" if isinstance(value, float) else str(value))
     return table
+
+
+def trained_rates(state: RunState, wall_s: float) -> dict[str, float]:
+    """Trained tokens per training second, new work (groups trained for the first time) and with every
+    replay counted again: a mode that reuses groups raises the second, not the first."""
+    return {
+        "new_trained_tokens_per_s": state.new_trained_tokens / wall_s,
+        "trained_tokens_per_s": state.trained_tokens / wall_s,
+    }
 
 
 def plot_run(run_dir: str | Path) -> list[Path]:
@@ -192,6 +222,7 @@ def step_record(
     generated = sum(r.generated_tokens for r in reports)
     state.generated_tokens += generated
     state.trained_tokens += train_metrics["trained_tokens"]
+    state.new_trained_tokens += train_metrics["new_trained_tokens"]
     for s in staleness:
         state.staleness_hist[str(s)] = state.staleness_hist.get(str(s), 0) + 1
     statuses: dict[str, int] = {}
@@ -212,7 +243,7 @@ def step_record(
         "generated_tokens": state.generated_tokens,
         "step_generated_tokens": generated,
         "generated_tokens_per_s": state.generated_tokens / wall,
-        "trained_tokens_per_s": state.trained_tokens / wall,
+        **trained_rates(state, wall),
         "rollout_idle_ratio": idle_ratio(state.rollout_busy_s, state.rollout_slot_s),
         "trainer_idle_ratio": idle_ratio(state.trainer_busy_s, wall),
         "staleness_mean": sum(staleness) / max(1, len(staleness)),
@@ -246,7 +277,7 @@ def run_summary(
         "heldout_success_best": max((e["success_rate"] for e in evals), default=None),
         "generated_tokens": state.generated_tokens,
         "generated_tokens_per_s": state.generated_tokens / wall,
-        "trained_tokens_per_s": state.trained_tokens / wall,
+        **trained_rates(state, wall),
         "seconds_per_step": state.wall_s / max(state.step, 1),
         "rollout_idle_ratio": idle_ratio(state.rollout_busy_s, state.rollout_slot_s),
         "trainer_idle_ratio": idle_ratio(state.trainer_busy_s, wall),

@@ -29,6 +29,9 @@ class RunState:
     eval_s: float = 0.0
     generated_tokens: int = 0
     trained_tokens: float = 0.0
+    """Sampled tokens trained on, every use of a replayed group counted again."""
+    new_trained_tokens: float = 0.0
+    """Sampled tokens of groups trained for the first time: new work, replays not counted."""
     rollout_busy_s: float = 0.0
     """Summed over rollout workers: time with at least one episode group in flight."""
     rollout_slot_s: float = 0.0
