@@ -165,6 +165,31 @@ def test_reflow_replays_when_rollout_is_short_and_respects_k():
     assert out["steps_per_s"] > base["steps_per_s"]
 
 
+def test_new_trained_tokens_count_a_groups_first_training_only():
+    """A step's fresh groups are new work; its replayed groups count in trained tokens only."""
+    from reflow.replay.cycle import BatchPlan
+    from reflow.replay.store import StoredGroup
+    from reflow.sim.metrics import Recorder
+
+    def group(gid, generated, consumed):
+        meta = {"generated": generated, "tokens": 2 * generated}
+        return StoredGroup(gid, 1, 0, [], [], 1.0, consumed, None, meta)
+
+    rec = Recorder(1)
+    rec.trained(BatchPlan(fresh=[group("a", 100, 0)], replay=[group("b", 60, 1)]), 1, 4)
+    rec.trained(BatchPlan(fresh=[group("c", 30, 0)], replay=[group("a", 100, 1)]), 2, 4)
+    assert (rec.new_trained_tokens, rec.trained_tokens) == (130, 290)
+    s = scenario(
+        gpus=8,
+        mode={"mode": "reflow", "eta": 1, "rollout_gpus": 2, "cycle": {"max_reuse": 2, "share_max": 0.5}},
+    )
+    out = engine.simulate(s)
+    assert out["replay_fraction"] > 0
+    assert out["new_trained_tokens_per_s"] < out["trained_tokens_per_s"]
+    sync = engine.simulate(scenario(gpus=8, mode={"mode": "sync"}))  # no replay: every group is new
+    assert sync["new_trained_tokens_per_s"] == sync["trained_tokens_per_s"]
+
+
 # ---- the simulator runs the runtime's policy objects
 
 
@@ -397,6 +422,7 @@ def test_plan_ranks_the_grid_and_a_clearly_better_split_wins():
     text = markdown(s, rows, top=3)
     assert "(simulated)" in text and "recommended: " in text and "6:2" in text.splitlines()[1]
     assert text.count("\n| ") == 1 + 3 + 1  # header, the top 3, the sync row
+    assert "| new tok/s | vs sync (new tok/s) | trained tok/s (with replays) |" in text
     assert model_file("8B", ROOT / "configs/sim/models").name == "qwen3-8b.yaml"
     with pytest.raises(ValueError, match="match"):
         model_file("3B", ROOT / "configs/sim/models")

@@ -85,6 +85,7 @@ def _write_run(folder: Path, mode: str) -> dict:
             "generated_tokens_per_s": r["generated_tokens"] / wall,
             "trained_tokens": r["trained_tokens"] - trained,  # per step, as the trainer reports it
             "trained_tokens_per_s": r["trained_tokens"] / wall,
+            "new_trained_tokens_per_s": r["new_trained_tokens"] / wall,
             "rollout_idle_ratio": r["rollout_idle_ratio"],
             "trainer_idle_ratio": r["trainer_idle_ratio"],
             "train_s": r["train_s"],
@@ -111,6 +112,9 @@ def test_a_run_folder_round_trips_within_tolerance(tmp_path, mode):
     c = compare(m)
     assert c.passed, [(r.name, r.measured, r.simulated) for r in c.rows]
     assert all(abs(r.error) < 0.1 for r in c.rows)
+    # new work is shown beside the compared figures, measured and simulated; never above trained tokens
+    assert m.extra["new_trained_tokens_per_s"] <= m.figures["trained_tokens_per_s"]
+    assert c.simulated["new_trained_tokens_per_s"] <= c.simulated["trained_tokens_per_s"]
 
 
 def test_a_bench_folder_lists_its_runs_and_the_cli_compares_them(tmp_path, capsys):

@@ -61,6 +61,10 @@ def test_predict_several_scenarios_and_plot(tmp_path, capsys):
     assert main(["simulate", "--config", str(a), str(b), "--predict", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert out.count("(simulated)") == 2 and "| reflow full |" in out
+    # new work headlines, and each ratio names the rate it divides
+    assert (
+        "| new tok/s | vs sync (new tok/s) | trained tok/s (with replays) | vs sync (with replays) |" in out
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["simulate", "--config", str(a), str(b)]) == 2  # several files need --predict
     assert "need --predict" in capsys.readouterr().err

@@ -24,6 +24,7 @@ MODES = ("sync", "one_step_off", "async", "reflow")
 _SHOWN = (
     "seconds_per_step",
     "steps_per_s",
+    "new_trained_tokens_per_s",
     "trained_tokens_per_s",
     "generated_tokens_per_s",
     "samples_per_s",
@@ -77,7 +78,9 @@ def add_parser(sub: Any) -> None:
         help="--config: the --predict comparison at each value of one scenario key",
     )
     p.add_argument(
-        "--plot", metavar="PNG", help="--predict: a bar chart of trained tokens/s vs sync per scenario"
+        "--plot",
+        metavar="PNG",
+        help="--predict: a bar chart of new tokens/s (first use of a group) vs sync per scenario",
     )
     p.add_argument("--folder", default="configs/sim/validate", help="--validate: the scenario folder")
     p.add_argument("--only", nargs="*", help="--validate: only these target names")

@@ -136,7 +136,14 @@ class RunComparison:
         return all(r.passed for r in self.rows)
 
 
-SHOWN = (*FIGURES, "generated_tokens_per_s", "train_s", "trainer_wait_s", "staleness_mean")
+SHOWN = (
+    *FIGURES,
+    "new_trained_tokens_per_s",
+    "generated_tokens_per_s",
+    "train_s",
+    "trainer_wait_s",
+    "staleness_mean",
+)
 
 
 def compare(m: RunMeasurement, seeds: int = SEEDS) -> RunComparison:

@@ -114,6 +114,8 @@ def measure(run_dir: str | Path) -> RunMeasurement:
     }
     extra = {
         "generated_tokens_per_s": float(last.get("generated_tokens_per_s", math.nan)),
+        # runs from before the count have none
+        "new_trained_tokens_per_s": float(last.get("new_trained_tokens_per_s", math.nan)),
         "train_s": statistics.fmean(train),
         "trainer_wait_s": _mean(steps, "trainer_wait_s"),  # the sync loop does not report it
         "staleness_mean": _mean(steps, "staleness_mean"),

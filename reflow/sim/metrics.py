@@ -1,6 +1,7 @@
 """What a simulation reports, under the names the real runs use (reflow/recipes/run_log.py
-`step_record` and `run_summary`): seconds_per_step, generated_tokens_per_s, trained_tokens_per_s,
-rollout_idle_ratio, trainer_idle_ratio, staleness_hist, reuse_hist, plus the simulator's own
+`step_record` and `run_summary`): seconds_per_step, generated_tokens_per_s, new_trained_tokens_per_s
+(the tokens of groups trained for the first time: a step's fresh groups, as the store knows them),
+trained_tokens_per_s (every replay counted again), rollout_idle_ratio, trainer_idle_ratio, staleness_hist, reuse_hist, plus the simulator's own
 (steps_per_s, partial_ratio, the policy events). Per-step rates are steady-state: measured from the end
 of the warm-up steps to the end of the run, as one would read them off a long run's metrics.
 """
@@ -18,6 +19,7 @@ class Recorder:
     def __init__(self, n_engines: int) -> None:
         self.generated_tokens = 0.0
         self.trained_tokens = 0.0
+        self.new_trained_tokens = 0.0
         self.processed_tokens = 0.0
         self.resume_s: list[float] = []
         self.steps_no_signal = 0
@@ -54,8 +56,10 @@ class Recorder:
 
     def trained(self, plan, version: int, samples: int) -> None:
         """A step starts on `plan`: its generated tokens are what the runs count as trained tokens
-        (the loss's tokens); the prompt and tool tokens it processes as well count separately."""
+        (the loss's tokens), the fresh groups' (unconsumed in the store until this step) new work;
+        the prompt and tool tokens it processes as well count separately."""
         self.trained_tokens += sum(g.meta["generated"] for g in plan.groups)
+        self.new_trained_tokens += sum(g.meta["generated"] for g in plan.fresh)
         self.processed_tokens += sum(g.meta["tokens"] for g in plan.groups)
         self.samples_trained += plan.size * samples
         self.groups_trained += plan.size
@@ -105,6 +109,7 @@ class Recorder:
                 "wall_s": now,
                 "generated_tokens": self.generated_tokens,
                 "trained_tokens": self.trained_tokens,
+                "new_trained_tokens": self.new_trained_tokens,
                 "processed_tokens": self.processed_tokens,
                 "samples_trained": self.samples_trained,
                 "rollout_idle_ratio": idle_ratio(busy, alive),
@@ -128,6 +133,7 @@ class Recorder:
                 "wall_s": 0.0,
                 "generated_tokens": 0.0,
                 "trained_tokens": 0.0,
+                "new_trained_tokens": 0.0,
                 "processed_tokens": 0.0,
                 "samples_trained": 0,
                 "_busy": (0.0, 0.0, 0.0),
@@ -149,6 +155,7 @@ class Recorder:
             "seconds_per_step": window / n,
             "steps_per_s": n / window,
             "generated_tokens_per_s": (last["generated_tokens"] - first["generated_tokens"]) / window,
+            "new_trained_tokens_per_s": (last["new_trained_tokens"] - first["new_trained_tokens"]) / window,
             "trained_tokens_per_s": (last["trained_tokens"] - first["trained_tokens"]) / window,
             "processed_tokens_per_s": (last["processed_tokens"] - first["processed_tokens"]) / window,
             "samples_per_s": (last["samples_trained"] - first["samples_trained"]) / window,

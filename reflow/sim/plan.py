@@ -1,7 +1,8 @@
 """The planning helper (`reflow simulate --plan`): a small grid over the rollout:train split, the staleness
 bound eta and the reuse cap K, each point simulated with the runtime's own policies (async: admission
-control; reflow: plus the dual replay cycle), ranked by predicted trained tokens/s. Results are
-simulated and say so.
+control; reflow: plus the dual replay cycle), ranked by predicted trained tokens/s with replays; the
+table gives new tokens/s (groups trained for the first time) beside it, since the simulator has no
+model of what a replay is worth against a new group. Results are simulated and say so.
 
 What it owns: the grid, the ranking and the table. The scenario (GPU, model, workload, costs) comes from
 the workload file with `--model-size` and `--gpus` applied on top.
@@ -79,17 +80,20 @@ def plan(
 
 
 def markdown(s: Scenario, rows: list[PlanRow], top: int = 5) -> str:
-    sync = next(r for r in rows if r.mode == "sync").trained_tok_s
+    sync_row = next(r for r in rows if r.mode == "sync")
+    sync, sync_new = sync_row.trained_tok_s, sync_row.summary["new_trained_tokens_per_s"]
     best = rows[0]
     split = "colocated" if best.mode == "sync" else f"{best.rollout_gpus}:{best.train_gpus}"
     lines = [
         f"plan for {s.name}: {s.gpus} x {s.gpu.name}, {s.model.name} (simulated)",
         f"recommended: {best.mode} {split} eta={best.eta} K={best.max_reuse or 1} "
-        f"({best.trained_tok_s:.0f} trained tok/s, {best.trained_tok_s / sync:.2f}x sync)",
+        f"({best.trained_tok_s:.0f} trained tok/s with replays, {best.trained_tok_s / sync:.2f}x sync's; "
+        f"{best.summary['new_trained_tokens_per_s'] / sync_new:.2f}x sync's new tok/s)",
         "",
-        "| rank | mode | rollout:train | eta | K | trained tok/s | vs sync | s/step | rollout idle | "
+        "| rank | mode | rollout:train | eta | K | new tok/s | vs sync (new tok/s) | "
+        "trained tok/s (with replays) | vs sync (with replays) | s/step | rollout idle | "
         "trainer idle | staleness | replay |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     shown = rows[:top] + [r for r in rows[top:] if r.mode == "sync"]
     for r in shown:
@@ -97,8 +101,9 @@ def markdown(s: Scenario, rows: list[PlanRow], top: int = 5) -> str:
         split = "colocated" if r.mode == "sync" else f"{r.rollout_gpus}:{r.train_gpus}"
         rank = rows.index(r) + 1
         lines.append(
-            f"| {rank} | {r.mode} | {split} | {r.eta} | {r.max_reuse or 1} | {r.trained_tok_s:.0f} | "
-            f"{r.trained_tok_s / sync:.2f}x | {m['seconds_per_step']:.1f} | {m['rollout_idle_ratio']:.2f} | "
+            f"| {rank} | {r.mode} | {split} | {r.eta} | {r.max_reuse or 1} | "
+            f"{m['new_trained_tokens_per_s']:.0f} | {m['new_trained_tokens_per_s'] / sync_new:.2f}x | "
+            f"{r.trained_tok_s:.0f} | {r.trained_tok_s / sync:.2f}x | {m['seconds_per_step']:.1f} | {m['rollout_idle_ratio']:.2f} | "
             f"{m['trainer_idle_ratio']:.2f} | {m['staleness_mean']:.2f} | {m['replay_fraction']:.2f} |"
         )
     return "\n".join(lines)
