@@ -1,11 +1,17 @@
-"""The mode benchmark's table: time to target, spread across seeds, reuse and IS columns."""
+"""The mode benchmark: its table (time to target, means with 95% intervals over seeds, new and
+trained tokens/s, the paired comparison with sync), the rows (built-in and `--rows`), and runs stored
+as they finish so that a re-run with the same --out skips them."""
+
+import argparse
+import json
 
 import pytest
 
-from reflow.recipes.bench_modes import pilot_targets, plot, start_noise, table, variants
+from reflow.errors import UsageError
+from reflow.recipes.bench_modes import parse_rows, pilot_targets, plot, start_noise, table, variants
 
 
-def _run(mode, seed, successes, dt=10.0, reuse=None):
+def _run(mode, seed, successes, dt=10.0, reuse=None, new=None, final=None):
     evals = [{"wall_s": i * dt, "success_rate": s} for i, s in enumerate(successes)]
     steps = [
         {
@@ -15,41 +21,83 @@ def _run(mode, seed, successes, dt=10.0, reuse=None):
             "w_max": 1.2,
             "masked_frac": 0.0,
             "trained_tokens_per_s": 100.0,
+            "new_trained_tokens_per_s": 80.0,
         }
         for i in range(3)
     ]
     summary = {
         "generated_tokens_per_s": 1000.0 + seed,
         "trained_tokens_per_s": 500.0,
+        "new_trained_tokens_per_s": 500.0 if new is None else new,
         "rollout_idle_ratio": 0.2,
         "trainer_idle_ratio": 0.4,
         "reuse_hist": reuse or {"1": 10},
         "steps": 30,
     }
-    return {"mode": mode, "seed": seed, "evals": evals, "steps": steps, "summary": summary}
+    headroom = [] if final is None else [{"when": "final", "greedy_success": final, "tasks": 300}]
+    return {
+        "mode": mode,
+        "seed": seed,
+        "evals": evals,
+        "steps": steps,
+        "summary": summary,
+        "headroom": headroom,
+    }
 
 
-def test_table_reports_time_to_each_target_the_spread_and_how_much_sooner_than_sync(tmp_path):
+def _rows(md, header):
+    """{row name: cells} of the Markdown table whose header row starts with `header`."""
+    lines = md.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = {}
+    for line in lines[start + 2 :]:
+        if not line.startswith("| "):
+            break
+        cells = line.strip("| ").split(" | ")
+        rows[cells[0]] = cells
+    return lines[start].strip("| ").split(" | "), rows
+
+
+def test_table_headlines_time_to_target_final_success_and_new_tokens_with_intervals(tmp_path):
     results = [
-        _run("sync", 0, [0.1, 0.2, 0.3, 0.4]),
-        _run("sync", 1, [0.1, 0.3, 0.35, 0.4]),
-        _run("async", 0, [0.1, 0.35, 0.4, 0.4]),
-        _run("async", 1, [0.1, 0.1, 0.1, 0.1]),  # never reaches a target
-        _run("reflow", 0, [0.1, 0.4, 0.4, 0.5], reuse={"1": 6, "2": 4}),
-        _run("reflow", 1, [0.1, 0.45, 0.5, 0.5], reuse={"0": 3, "1": 6, "2": 4}),
+        _run("sync", 0, [0.1, 0.2, 0.3, 0.4], final=0.40),
+        _run("sync", 1, [0.1, 0.3, 0.35, 0.4], final=0.42),
+        _run("async", 0, [0.1, 0.35, 0.4, 0.4], final=0.44),
+        _run("async", 1, [0.1, 0.1, 0.1, 0.1], final=0.30),  # never reaches a target
+        _run("reflow", 0, [0.1, 0.4, 0.4, 0.5], reuse={"1": 6, "2": 4}, new=250.0, final=0.5),
+        _run("reflow", 1, [0.1, 0.45, 0.5, 0.5], reuse={"0": 3, "1": 6, "2": 4}, new=1000.0, final=0.52),
     ]
     md = table(results, {"50%": 0.3, "90%": 0.4}, budget_minutes=1)
     assert md.startswith("Targets held-out success, fixed before the runs: 50% 0.300, 90% 0.400")
-    rows = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if line.startswith("| ")}
-    assert rows["mode"].startswith("| mode | time to 50% (s) | reached 50% | time to 90% (s) | reached 90% |")
-    # sync reaches 0.3 at t = 20 and t = 10, 0.4 at 30 and 30; async once each at 10; reflow at 10, 10
-    assert "| sync | 15 ± 7.07 | 2/2 | 30 ± 0 | 2/2 |" in rows["sync"]
-    assert "| async | 10 ± 0 | 1/2 | 20 ± 0 | 1/2 |" in rows["async"]
-    assert "| reflow | 10 ± 0 | 2/2 | 10 ± 0 | 2/2 |" in rows["reflow"]
-    assert "1.4 ± 0" in rows["reflow"]  # mean uses per consumed group: (6*1 + 4*2) / 10
-    assert md.rstrip().endswith(
-        "async 1.50x at 50%; reflow 1.50x at 50%; async 1.50x at 90%; reflow 3.00x at 90%."
-    )
+    assert "Final held-out: greedy on 300 tasks." in md
+    header, rows = _rows(md, "| mode | seeds |")
+    assert header[:11] == [
+        "mode", "seeds", "time to 50% (s)", "reached 50%", "time to 90% (s)", "reached 90%", "final held-out",
+        "new tok/s", "trained tok/s (with replays)", "gen tok/s", "held-out at budget (curve)",
+    ]  # fmt: skip
+    # sync reaches 0.3 at t = 20 and 10: mean 15, s = 7.07, half-width t(1) 12.706 x 7.07 / sqrt(2) = 63.5
+    assert rows["sync"][:7] == ["sync", "2", "15 ± 63.5", "2/2", "30 ± 0", "2/2", "0.41 ± 0.127"]
+    assert rows["async"][2:6] == ["10", "1/2", "20", "1/2"]  # one seed reached: a mean, no interval
+    assert rows["reflow"][2:9] == ["10 ± 0", "2/2", "10 ± 0", "2/2", "0.51 ± 0.127", "625 ± 4765", "500 ± 0"]
+    assert rows["reflow"][header.index("reuse (mean uses/group)")] == "1.4 ± 0"  # (6*1 + 4*2) / 10
+    # against sync, seed by seed
+    header, paired = _rows(md, "| mode | seeds paired |")
+    assert header == [
+        "mode", "seeds paired", "final held-out - sync", "time to 50%: sync / row", "time to 90%: sync / row",
+        "new tok/s: row / sync", "trained tok/s (with replays): row / sync",
+    ]  # fmt: skip
+    # reflow: +0.10 on both seeds; 50%: 20/10 and 10/10 -> geometric mean sqrt(2); 90%: 30/10 twice
+    assert paired["reflow"][1:5] == [
+        "2",
+        "+0.100 [+0.100, +0.100]",
+        "1.41x [0.02, 115.61] (n=2)",
+        "3.00x [3.00, 3.00] (n=2)",
+    ]
+    # new tok/s 250/500 and 1000/500: geometric mean 1, the interval symmetric on the log scale
+    assert paired["reflow"][5].startswith("1.00x [0.00, ")
+    assert paired["reflow"][6] == "1.00x [1.00, 1.00]"
+    # async seed 1 never reached a target: counted and named, not dropped
+    assert paired["async"][3] == "2.00x (n=1, row never reached 1)"
     assert plot(results, tmp_path, {"50%": 0.3, "90%": 0.4}).stat().st_size > 1000
 
 
@@ -62,7 +110,8 @@ def test_pilot_targets_are_shares_of_the_pilots_gain_at_the_budget_or_none_withi
     flat = [_run("async", 0, [0.2, 0.2, 0.1])]
     md = table(flat, None, budget_minutes=1)
     assert md.startswith("No target: the pilot did not improve")
-    assert "| async | 0.1 ± 0 | 0.2 ± 0 |" in md  # no target columns
+    # no target columns: seeds, then the final held-out (the curve's last point without a final measurement)
+    assert "| async | 1 | 0.1 | 500 | 500 | 1000 |" in md
     assert plot(flat, tmp_path, None).stat().st_size > 1000
     # gains of one or two problems in 100 are within the start's standard error (0.04 at 0.2): no target
     small = _run("pilot", 3, [0.2, 0.21, 0.24])
@@ -116,50 +165,182 @@ def test_ablation_rows_run_reflow_with_parts_off_and_show_role_changes_and_tail_
         counted("reflow-no-tail", 0, 1, 2.5, 0, 0),
     ]
     md = table(results, {"target": 0.2}, budget_minutes=1)
-    lines = [line for line in md.splitlines() if line.startswith("| ")]
-    assert lines[0].endswith(
-        "| role changes | role change s | over-provisioned | carried over | migrations |"
-    )
-    names = [line.split(" | ")[0].strip("| ") for line in lines[2:]]
-    assert names == ["sync", "reflow", "reflow-static", "reflow-no-tail"]  # the table's order
-    cells = {n: line.strip("| ").split(" | ") for n, line in zip(names, lines[2:], strict=True)}
-    assert all(len(c) == 20 for c in cells.values())  # mode, time and reached, 17 more
-    assert cells["reflow"][-5:] == ["3 ± 1.41", "4 ± 1.41", "5 ± 1.41", "12 ± 2.83", "0 ± 0"]
-    assert cells["reflow-no-tail"][-5:] == ["1 ± 0", "2.5 ± 0", "0 ± 0", "0 ± 0", "0 ± 0"]
-    assert cells["sync"][-5:] == ["0 ± 0"] * 5
+    header, cells = _rows(md, "| mode | seeds |")
+    assert header[-5:] == ["role changes", "role change s", "over-provisioned", "carried over", "migrations"]
+    assert list(cells) == ["sync", "reflow", "reflow-static", "reflow-no-tail"]  # the table's order
+    assert all(len(c) == len(header) == 23 for c in cells.values())  # mode, seeds, time and reached, 19 more
+    # two seeds: mean ± t(1) s / sqrt(2), with s = 1.41 for 2 and 4: 12.706
+    assert cells["reflow"][-5:] == ["3 ± 12.7", "4 ± 12.7", "5 ± 12.7", "12 ± 25.4", "0 ± 0"]
+    assert cells["reflow-no-tail"][-5:] == ["1", "2.5", "0", "0", "0"]  # one seed: no interval
+    assert cells["sync"][-5:] == ["0"] * 5
     assert plot(results, tmp_path, {"target": 0.2}).stat().st_size > 1000
 
 
-def test_the_pilot_runs_first_on_an_unmeasured_seed_and_its_targets_are_on_disk_before_the_runs(
-    tmp_path, monkeypatch
-):
-    import argparse
-    import json
+def _args(tmp_path, **over):
+    config = tmp_path / "c.yaml"
+    if not config.exists():
+        config.write_text("env:\n  id: reflow/Calc-v0\n")
+    values = dict(
+        config=str(config), overrides=[], seeds=2, budget_minutes=1.0, target=None, out=str(tmp_path / "out"),
+        ablations=False, rows=[], report_only=False,
+    )  # fmt: skip
+    return argparse.Namespace(**{**values, **over})
 
+
+def _fake_runs(monkeypatch):
+    """run_one replaced by a recorder of its calls: (name, mode, seed, targets on disk, overrides)."""
     from reflow.recipes import bench_modes
 
     calls = []
 
     def fake_run(config_path, name, mode, seed, extra, budget_minutes, out_dir, log):
-        on_disk = (out_dir / "targets.json").is_file()
-        calls.append((name, mode, seed, on_disk, "elastic.enabled=null" in extra))
-        return _run(name, seed, [0.2, 0.5, 0.6] if name == "pilot" else [0.2, 0.6, 0.6])
+        calls.append((name, mode, seed, (out_dir / "targets.json").is_file(), extra))
+        return _run(name, seed, [0.2, 0.5, 0.6] if name == "pilot" else [0.2, 0.6, 0.6], final=0.6)
 
     monkeypatch.setattr(bench_modes, "run_one", fake_run)
-    args = argparse.Namespace(
-        config="c.yaml", overrides=[], seeds=2, budget_minutes=1.0, target=None, out=str(tmp_path),
-        ablations=False, report_only=False,
-    )  # fmt: skip
+    return calls
+
+
+def test_the_pilot_runs_first_on_an_unmeasured_seed_and_its_targets_are_on_disk_before_the_runs(
+    tmp_path, monkeypatch
+):
+    from reflow.recipes import bench_modes
+
+    calls = _fake_runs(monkeypatch)
+    args = _args(tmp_path)
     assert bench_modes.cmd_bench_modes(args) == 0
-    assert calls[0] == ("pilot", "sync", 2, False, True)  # seed 2: outside the measured 0 and 1
+    assert calls[0][:4] == ("pilot", "sync", 2, False)  # seed 2: outside the measured 0 and 1
+    assert "elastic.enabled=null" in calls[0][4]
     assert [c[:3] for c in calls[1:]] == [(m, m, s) for s in (0, 1) for m in ("sync", "async", "reflow")]
     assert all(c[3] for c in calls[1:])  # the targets were written before every measured run
-    saved = json.loads((tmp_path / "targets.json").read_text())
+    out = tmp_path / "out"
+    saved = json.loads((out / "targets.json").read_text())
     assert saved["targets"] == {"50%": 0.4, "75%": 0.5, "90%": 0.56}
-    assert json.loads((tmp_path / "bench_modes.json").read_text())["targets"] == saved["targets"]
-    # --target fixes it by hand: no pilot
+    assert json.loads((out / "bench_modes.json").read_text())["targets"] == saved["targets"]
+    # --target fixes it by hand: no pilot, and the stored runs are reused
     calls.clear()
     args.target = 0.45
     assert bench_modes.cmd_bench_modes(args) == 0
-    assert "pilot" not in [c[0] for c in calls]
-    assert "time to target (s)" in (tmp_path / "bench_modes.md").read_text()
+    assert calls == []
+    assert "time to target (s)" in (out / "bench_modes.md").read_text()
+
+
+def test_every_run_gets_a_final_evaluation_on_at_least_300_held_out_tasks(tmp_path, monkeypatch):
+    from reflow.recipes import bench_modes
+
+    calls = _fake_runs(monkeypatch)
+    assert (
+        bench_modes.cmd_bench_modes(_args(tmp_path, seeds=1, target=0.5, overrides=["eval.pass_at=0"])) == 0
+    )
+    for *_, extra in calls:
+        assert extra[-2:] == ["eval.pass_at=1", "eval.end_episodes=300"]  # after the command line's
+    calls.clear()  # a config's own larger measurement is kept
+    args = _args(tmp_path, seeds=1, target=0.5, out=str(tmp_path / "o2"))
+    args.overrides = ["eval.pass_at=8", "eval.end_episodes=500"]
+    assert bench_modes.cmd_bench_modes(args) == 0
+    assert all(c[4][-2:] == ["eval.pass_at=8", "eval.end_episodes=500"] for c in calls)
+    with pytest.raises(UsageError, match=r"eval\.episodes must be > 0"):
+        bench_modes.cmd_bench_modes(_args(tmp_path, overrides=["eval.episodes=0"], out=str(tmp_path / "o3")))
+
+
+def test_rows_from_the_command_line_parse_with_their_mode_and_bad_ones_are_named():
+    rows = parse_rows(
+        [
+            "k3=replay.max_reuse=3",
+            "a2=mode=async,replay.eta=2",
+            "split=resources.slots=[rollout,rollout,train]",
+        ]
+    )
+    assert rows == [
+        ("k3", "reflow", ["replay.max_reuse=3"]),  # reflow by default
+        ("a2", "async", ["elastic.enabled=null", "tail.enabled=null", "replay.eta=2"]),  # plain, as built-in
+        ("split", "reflow", ["resources.slots=[rollout,rollout,train]"]),  # a comma inside a value stays
+    ]
+    assert [n for n, _, _ in variants(False, rows)] == ["sync", "async", "reflow", "k3", "a2", "split"]
+    for bad, message in (
+        ("nokeys", "expected NAME=KEY=VALUE"),
+        ("eval.episodes=50", "expected NAME=KEY=VALUE"),  # an override given after --rows
+        ("bad name=x=1", "expected NAME=KEY=VALUE"),
+        ("x=mode=fast", "mode 'fast' is not one of"),
+        ("reflow=replay.eta=2", "the row name 'reflow' is taken"),
+        ("pilot=replay.eta=2", "is taken"),
+    ):
+        with pytest.raises(UsageError, match=message) as e:
+            parse_rows([bad])
+        assert repr(bad) in str(e.value)
+    with pytest.raises(UsageError, match="'k3' is taken"):
+        parse_rows(["k3=replay.eta=1", "k3=replay.eta=2"])
+
+
+def test_a_bad_row_is_a_one_line_cli_error_naming_it(tmp_path, capsys):
+    from reflow.cli import main
+
+    argv = ["bench", "modes", "--config", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "o")]
+    assert main([*argv, "--rows", "ok=replay.eta=2", "oops=eta2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'oops=eta2'" in err and "NAME=KEY=VALUE" in err
+    assert not (tmp_path / "o").exists()  # nothing ran, nothing written
+
+
+def test_a_rerun_with_the_same_out_skips_the_runs_done_and_refuses_a_changed_row(tmp_path, monkeypatch):
+    from reflow.recipes import bench_modes
+
+    calls = _fake_runs(monkeypatch)
+    out = tmp_path / "out"
+    args = _args(tmp_path, rows=["k3=replay.max_reuse=3"])
+    assert bench_modes.cmd_bench_modes(args) == 0
+    assert len(calls) == 1 + 2 * 4  # the pilot, then four rows on two seeds
+    stored = sorted(p.name for p in (out / "runs").glob("*"))
+    assert stored == sorted(
+        [
+            "pilot-seed2.json",
+            *(f"{row}-seed{s}.json" for row in ("sync", "async", "reflow", "k3") for s in (0, 1)),
+        ]
+    )
+    saved = json.loads((out / "runs" / "k3-seed1.json").read_text())
+    assert saved["spec"]["mode"] == "reflow" and "replay.max_reuse=3" in saved["spec"]["overrides"]
+    # a second call runs nothing; with a run missing (killed before it finished) it runs only that one
+    calls.clear()
+    assert bench_modes.cmd_bench_modes(args) == 0
+    assert calls == []
+    (out / "runs" / "async-seed1.json").unlink()
+    assert bench_modes.cmd_bench_modes(args) == 0
+    assert [c[:3] for c in calls] == [("async", "async", 1)]
+    # a new row runs alone; the rest, pilot included, is reused
+    calls.clear()
+    args.rows = ["k3=replay.max_reuse=3", "k4=replay.max_reuse=4"]
+    assert bench_modes.cmd_bench_modes(args) == 0
+    assert [c[:3] for c in calls] == [("k4", "reflow", 0), ("k4", "reflow", 1)]
+    # a row run with other overrides is refused before anything runs, naming the run and what differs
+    calls.clear()
+    args.rows = ["k3=replay.max_reuse=2"]
+    with pytest.raises(UsageError) as e:
+        bench_modes.cmd_bench_modes(args)
+    assert "k3-seed0.json was run with overrides ['replay.max_reuse=3']" in str(e.value)
+    assert "['replay.max_reuse=2']" in str(e.value) and calls == []
+    # so is a changed config file or budget
+    args.rows = []
+    (tmp_path / "c.yaml").write_text("env:\n  id: reflow/Calc-v0\nseed: 1\n")
+    with pytest.raises(UsageError, match=r"pilot-seed2\.json was run with config_sha256"):
+        bench_modes.cmd_bench_modes(args)
+    assert calls == []
+    # a half-written result never exists (written whole, then renamed); a foreign file is named
+    (out / "runs" / "sync-seed0.json").write_text("{")
+    (tmp_path / "c.yaml").write_text("env:\n  id: reflow/Calc-v0\n")
+    with pytest.raises(UsageError, match=r"sync-seed0\.json is not a benchmark result"):
+        bench_modes.cmd_bench_modes(args)
+
+
+def test_report_only_rebuilds_the_table_from_the_runs_stored_so_far(tmp_path, monkeypatch):
+    from reflow.recipes import bench_modes
+
+    _fake_runs(monkeypatch)
+    args = _args(tmp_path, seeds=1)
+    assert bench_modes.cmd_bench_modes(args) == 0
+    (tmp_path / "out" / "bench_modes.json").unlink()  # as if the benchmark had been stopped
+    (tmp_path / "out" / "runs" / "reflow-seed0.json").unlink()
+    assert bench_modes.cmd_bench_modes(_args(tmp_path, report_only=True)) == 0
+    _, rows = _rows((tmp_path / "out" / "bench_modes.md").read_text(), "| mode | seeds |")
+    assert list(rows) == ["sync", "async"]
+    with pytest.raises(UsageError, match="no stored runs"):
+        bench_modes.cmd_bench_modes(_args(tmp_path, report_only=True, out=str(tmp_path / "empty")))

@@ -2,30 +2,55 @@
 seeds; a Markdown table and PNG plots of what each mode buys.
 
     reflow bench modes --config configs/calc-tiny.yaml --seeds 3 --budget-minutes 4 [--ablations]
+    reflow bench modes --config configs/calc-short.yaml KEY=VALUE ... \\
+        --rows reflow-k3=replay.max_reuse=3 async-eta2=mode=async,replay.eta=2
 
-`--ablations` adds mode reflow with parts switched off beside the three modes (`ABLATIONS`):
-`reflow-static` (the dual replay cycle only: static slots, no tail scheduler) and `reflow-no-tail`
-(the elastic pool on, the tail scheduler off), so each part shows its own share of the gain; the
-table's last columns count role changes (and their measured cost) and tail actions.
+Rows: sync, async and reflow always; `--ablations` adds mode reflow with parts switched off
+(`ABLATIONS`): `reflow-static` (the dual replay cycle only: static slots, no tail scheduler) and
+`reflow-no-tail` (the elastic pool on, the tail scheduler off), so each part shows its own share of
+the gain. `--rows` adds rows of your own, each `NAME=KEY=VALUE[,KEY=VALUE...]`: a name (letters,
+digits, `.`, `_`, `-`), then config overrides separated by commas (a comma inside a value, as in
+`resources.slots=[rollout,train]`, stays in it: a new override starts only where `KEY=` follows).
+The row's mode is its `mode=` override, reflow when it has none; a sync or async row starts from the
+plain mode (`PLAIN`) as the built-in ones do. Give overrides for every row before `--rows`: what
+follows it is read as rows.
 
 Every run gets the same wall-clock training budget (evaluation excluded: weights are snapshotted at
 each evaluation point and evaluated after the run, so evaluation never competes with training) and
 starts from the same cached warm start. Time to target is the training time at the first held-out
 evaluation at or above a target, and the targets are fixed before the measured runs: `--target X`,
-or (the default) a pilot run of mode sync on a seed outside the measured ones, whose gain at the
-budget sets three targets, start + 50%, 75% and 90% of it (`pilot_targets`), written to
-`OUT/targets.json` before the first measured run.
+or (the default) a pilot run of mode sync on a seed outside the measured ones (seed N for `--seeds
+N`), whose gain at the budget sets three targets, start + 50%, 75% and 90% of it (`pilot_targets`),
+written to `OUT/targets.json` before the first measured run. The final held-out success is measured
+after the run on at least `FINAL_TASKS` held-out tasks (greedy; the `eval.pass_at` measurement on
+`eval.end_episodes` tasks, which the benchmark turns on), while the curve's points keep
+`eval.episodes`.
+
+In parts: each run's result is written as it finishes, to `OUT/runs/<row>-seed<k>.json` with what
+it was run with (the config file's hash, its mode, seed, overrides and budget), and a later call with
+the same `--out` reuses the runs already done (the pilot too) and runs the rest. A stored run that
+was run with anything else is refused before anything runs, in one line naming it: use another
+`--out`, or delete that file to run it again.
+
+The table (`bench_table`): per row, means over seeds with 95% intervals, time to quality and the
+final held-out success first, then new tokens/s (groups trained for the first time) beside trained
+tokens/s with replays; then each row against sync, paired by seed.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
-import math
+import os
+import re
 import shutil
-import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from reflow.errors import UsageError
+from reflow.recipes.bench_table import plot, start_noise, table
 
 MODES = ("sync", "async", "reflow")
 ABLATIONS: dict[str, list[str]] = {
@@ -34,28 +59,72 @@ ABLATIONS: dict[str, list[str]] = {
 }
 """Rows of mode reflow with parts switched off: row name -> config overrides."""
 ROWS = (*MODES, *ABLATIONS)
-"""Every row the table can have, in its order."""
+"""Every built-in row, in the table's order."""
 PLAIN = ["elastic.enabled=null", "tail.enabled=null"]
 """Overrides of the sync and async rows (and the sync pilot): the mode as it is, the elastic pool and
 tail scheduler at their defaults (off outside reflow), whatever the config file switches on."""
-COUNTS = ("role_changes", "role_change_s", "tail_over_provisioned", "tail_carried_over", "tail_migrations")
-"""Summary counters of the elastic pool and the tail scheduler (0 in runs that predate them)."""
+FINAL_TASKS = 300
+"""Held-out tasks of the final evaluation at least (`eval.end_episodes`)."""
+PILOT = "pilot"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*=")
 
 
-def variants(ablations: bool) -> list[tuple[str, str, list[str]]]:
-    """(row name, mode, overrides) of each run per seed."""
-    rows = [(mode, mode, [] if mode == "reflow" else PLAIN) for mode in MODES]
+def variants(
+    ablations: bool, rows: list[tuple[str, str, list[str]]] | None = None
+) -> list[tuple[str, str, list[str]]]:
+    """(row name, mode, overrides) of each run per seed: the built-in rows, then `rows` (`parse_rows`)."""
+    out = [(mode, mode, [] if mode == "reflow" else PLAIN) for mode in MODES]
     if ablations:
-        rows += [(name, "reflow", extra) for name, extra in ABLATIONS.items()]
-    return rows
+        out += [(name, "reflow", extra) for name, extra in ABLATIONS.items()]
+    return out + list(rows or [])
+
+
+def parse_rows(items: list[str]) -> list[tuple[str, str, list[str]]]:
+    """`--rows` items, each NAME=KEY=VALUE[,KEY=VALUE...], as (name, mode, overrides); UsageError
+    naming the item when one is malformed, names a built-in row or repeats a name."""
+    out: list[tuple[str, str, list[str]]] = []
+    for item in items:
+        name, sep, rest = item.partition("=")
+        if not _NAME.fullmatch(name) or not sep or not _KEY.match(rest):
+            raise UsageError(
+                f"--rows {item!r}: expected NAME=KEY=VALUE[,KEY=VALUE...] (a name of letters, digits, "
+                "'.', '_', '-'; overrides for every row go before --rows)"
+            )
+        if name in ROWS or name == PILOT or name in [n for n, _, _ in out]:
+            raise UsageError(f"--rows {item!r}: the row name {name!r} is taken")
+        overrides: list[str] = []
+        for piece in rest.split(","):
+            if _KEY.match(piece) or not overrides:
+                overrides.append(piece)
+            else:  # a comma inside a value
+                overrides[-1] += "," + piece
+        modes = [o.partition("=")[2] for o in overrides if o.startswith("mode=")]
+        mode = modes[-1] if modes else "reflow"
+        if mode not in MODES:
+            raise UsageError(f"--rows {item!r}: mode {mode!r} is not one of {', '.join(MODES)}")
+        rest_overrides = [o for o in overrides if not o.startswith("mode=")]
+        out.append((name, mode, [*PLAIN, *rest_overrides] if mode != "reflow" else rest_overrides))
+    return out
+
+
+def final_eval_overrides(config_path: str, overrides: list[str]) -> list[str]:
+    """Overrides that make the end-of-run measurement (`eval.pass_at`, greedy on `eval.end_episodes`
+    tasks) run on at least FINAL_TASKS tasks, keeping the config's own when larger."""
+    from reflow.config import load_config
+
+    ev = load_config(config_path, overrides).eval
+    if not ev.episodes:
+        raise UsageError("the benchmark measures held-out success: eval.episodes must be > 0")
+    return [f"eval.pass_at={max(ev.pass_at, 1)}", f"eval.end_episodes={max(ev.end_episodes, FINAL_TASKS)}"]
 
 
 def run_one(
     config_path: str, name: str, mode: str, seed: int, extra: list[str], budget_minutes: float, out_dir: Path,
     log: Any,
 ) -> dict[str, Any]:  # fmt: skip
-    """One run of the benchmark (a fresh run dir named after the row and seed): its summary, step and
-    evaluation records."""
+    """One run of the benchmark (a fresh run dir named after the row and seed): its summary, step,
+    evaluation and end-of-run measurement records."""
     from reflow.config import load_config
     from reflow.recipes.agent_train import train
     from reflow.recipes.run_log import read_metrics
@@ -78,61 +147,85 @@ def run_one(
     summary = train(config)
     steps = read_metrics(config.run_dir, "step")
     evals = read_metrics(config.run_dir, "eval")
-    return {"mode": name, "seed": seed, "summary": summary, "steps": steps, "evals": evals}
+    headroom = read_metrics(config.run_dir, "headroom")
+    return {
+        "mode": name,
+        "seed": seed,
+        "summary": summary,
+        "steps": steps,
+        "evals": evals,
+        "headroom": headroom,
+    }
 
 
-def run_pilot(
-    config_path: str, seeds: int, budget_minutes: float, out_dir: Path, overrides: list[str], log: Any
-) -> dict[str, Any]:
-    """Mode sync on seed `seeds`, one past the measured ones, so the target is not fitted to them."""
-    return run_one(config_path, "pilot", "sync", seeds, [*overrides, *PLAIN], budget_minutes, out_dir, log)
+@dataclass(frozen=True)
+class Job:
+    """One run of the benchmark and what it is run with (`spec`, stored with its result)."""
+
+    name: str
+    mode: str
+    seed: int
+    overrides: list[str]
+    spec: dict[str, Any]
+
+    def path(self, out: Path) -> Path:
+        return out / "runs" / f"{self.name}-seed{self.seed}.json"
 
 
-def run_modes(
-    config_path: str,
-    seeds: int,
-    budget_minutes: float,
-    out_dir: Path,
-    overrides: list[str],
-    log: Any,
-    ablations: bool = False,
-) -> list[dict[str, Any]]:
-    return [
-        run_one(config_path, name, mode, seed, [*overrides, *extra], budget_minutes, out_dir, log)
-        for seed in range(seeds)
-        for name, mode, extra in variants(ablations)
-    ]
+def make_job(
+    config_path: str, name: str, mode: str, seed: int, overrides: list[str], budget_minutes: float
+) -> Job:
+    """The job of row `name` on `seed`: `overrides` (the command line's, then the row's) plus the final
+    evaluation's."""
+    overrides = [*overrides, *final_eval_overrides(config_path, [*overrides, f"mode={mode}"])]
+    spec = {
+        "config_sha256": hashlib.sha256(Path(config_path).read_bytes()).hexdigest(),
+        "mode": mode,
+        "seed": seed,
+        "budget_minutes": budget_minutes,
+        "overrides": overrides,
+    }
+    return Job(name, mode, seed, overrides, spec)
 
 
-def _mean_std(values: list[float]) -> str:
-    values = [v for v in values if v is not None]
-    if not values:
-        return "-"
-    mean = statistics.fmean(values)
-    spread = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{_number(mean)} ± {_number(spread)}"
+def stored_result(job: Job, out: Path) -> dict[str, Any] | None:
+    """The job's stored result, None when it has none; UsageError when it is unreadable or was run
+    with anything else than `job.spec`."""
+    path = job.path(out)
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        spec = saved["spec"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise UsageError(f"{path} is not a benchmark result: delete it to run it again") from None
+    if spec == job.spec:
+        return saved
+    key = next(k for k in job.spec if spec.get(k) != job.spec[k])
+    was, now = spec.get(key), job.spec[key]
+    if key == "overrides":
+        was = [o for o in was or [] if o not in now] or "fewer"
+        now = [o for o in now if o not in (spec.get(key) or [])] or "fewer"
+    raise UsageError(
+        f"{path} was run with {key} {was} and this benchmark has {now}: use another --out, or delete "
+        "the file to run it again"
+    )
 
 
-def _number(x: float) -> str:
-    if abs(x) >= 100:
-        return f"{x:.0f}"
-    return "0" if abs(x) < 5e-4 else f"{x:.3g}"
-
-
-def _step_mean(steps: list[dict[str, Any]], key: str) -> float | None:
-    values = [s[key] for s in steps if s.get(key) is not None]
-    return statistics.fmean(values) if values else None
-
-
-def start_noise(results: list[dict[str, Any]]) -> float:
-    """One standard error of the start's held-out success, sqrt(p (1 - p) / n) over its n episodes: a
-    gain below it is one or two problems of the held-out set, not a measured improvement (0 when
-    `episodes` is unknown). With sampled evaluation (k episodes per task, the same tasks at every
-    point) n counts every episode: an upper bound of the sampling noise between points."""
-    first = [r["evals"][0] for r in results]
-    p = statistics.fmean(e["success_rate"] for e in first)
-    n = min(e.get("episodes") or 0 for e in first)
-    return math.sqrt(p * (1 - p) / n) if n else 0.0
+def run_or_reuse(config_path: str, job: Job, budget_minutes: float, out: Path, log: Any) -> dict[str, Any]:
+    """The job's stored result, or run it and store its result (with its spec) as it finishes."""
+    saved = stored_result(job, out)
+    if saved is not None:
+        log(f"bench {job.name} seed {job.seed}: reused {job.path(out)}")
+        return saved
+    result = run_one(config_path, job.name, job.mode, job.seed, job.overrides, budget_minutes, out, log)
+    result = {**result, "spec": job.spec}
+    path = job.path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, default=str))
+    os.replace(tmp, path)  # whole or absent: a kill mid-write leaves no half result to reuse
+    return result
 
 
 GAIN_SHARES = (0.5, 0.75, 0.9)
@@ -149,185 +242,103 @@ def pilot_targets(pilot: dict[str, Any], shares: tuple[float, ...] = GAIN_SHARES
     return {f"{share:.0%}": round(start + share * (end - start), 3) for share in shares}
 
 
-def table(results: list[dict[str, Any]], targets: dict[str, float] | None, budget_minutes: float) -> str:
-    """The Markdown table: per row, time to each target (seeds that reached it, n shown), held-out at
-    the budget, throughput, idle ratios, staleness/reuse/IS columns and the elastic/tail counters; then
-    how much sooner than sync each row reached each target (ratio of the mean times)."""
-    from reflow.recipes.run_log import time_to_target
-
-    targets = targets or {}
-    aim = (
-        "Targets held-out success, fixed before the runs: "
-        + ", ".join(f"{label} {value:.3f}" for label, value in targets.items())
-        if targets
-        else f"No target: the pilot did not improve on its start by more than the evaluation's noise"
-        f" (±{start_noise(results):.3f}); time to target not measured"
-    )
-    head = [c for label in targets for c in (f"time to {label} (s)", f"reached {label}")]
-    tail = [
-        "held-out at budget", "start", "gen tok/s", "trained tok/s", "rollout idle", "trainer idle",
-        "staleness mean", "reuse (mean uses/group)", "IS w mean", "IS w max", "masked frac", "steps",
-        "role changes", "role change s", "over-provisioned", "carried over", "migrations",
-    ]  # fmt: skip
-    columns = ["mode", *head, *tail]
-    rows = [
-        f"{aim}; budget {budget_minutes:g} min of training per run; "
-        f"mean ± std over {len({r['seed'] for r in results})} seeds.",
-        "",
-        "| " + " | ".join(columns) + " |",
-        "| --- " * len(columns) + "|",
-    ]
-    mean_time: dict[tuple[str, str], float] = {}
-    for mode in ROWS:
-        runs = [r for r in results if r["mode"] == mode]
-        if not runs:
-            continue
-        reached = []
-        for label, target in targets.items():
-            times = [t for r in runs if (t := time_to_target(r["evals"], target)) is not None]
-            if times:
-                mean_time[mode, label] = statistics.fmean(times)
-            reached += [_mean_std(times), f"{len(times)}/{len(runs)}"]
-        reuse = []
-        for r in runs:
-            hist = {int(k): v for k, v in r["summary"]["reuse_hist"].items() if int(k) > 0}
-            reuse.append(sum(k * v for k, v in hist.items()) / max(1, sum(hist.values())))
-        cells = [
-            mode,
-            *reached,
-            _mean_std([r["evals"][-1]["success_rate"] for r in runs]),
-            _mean_std([r["evals"][0]["success_rate"] for r in runs]),
-            _mean_std([r["summary"]["generated_tokens_per_s"] for r in runs]),
-            _mean_std([r["summary"]["trained_tokens_per_s"] for r in runs]),
-            _mean_std([r["summary"]["rollout_idle_ratio"] for r in runs]),
-            _mean_std([r["summary"]["trainer_idle_ratio"] for r in runs]),
-            _mean_std([_step_mean(r["steps"], "staleness_mean") for r in runs]),
-            _mean_std(reuse),
-            _mean_std([_step_mean(r["steps"], "w_mean") for r in runs]),
-            _mean_std([max((s.get("w_max", 0.0) for s in r["steps"]), default=None) for r in runs]),
-            _mean_std([_step_mean(r["steps"], "masked_frac") for r in runs]),
-            _mean_std([r["summary"]["steps"] for r in runs]),
-            *(_mean_std([r["summary"].get(key, 0) for r in runs]) for key in COUNTS),
-        ]
-        rows.append("| " + " | ".join(cells) + " |")
-    sooner = [
-        f"{mode} {mean_time['sync', label] / mean_time[mode, label]:.2f}x at {label}"
-        for label in targets
-        for mode in ROWS
-        if mode != "sync" and (mode, label) in mean_time and mean_time.get(("sync", label))
-    ]
-    if sooner:
-        rows += [
-            "",
-            "Sooner than sync (sync's mean time / the row's, seeds that reached it): "
-            + "; ".join(sooner)
-            + ".",
-        ]
-    return "\n".join(rows) + "\n"
-
-
-def plot(results: list[dict[str, Any]], out: Path, targets: dict[str, float] | None) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    colors = {
-        "sync": "tab:blue",
-        "async": "tab:orange",
-        "reflow": "tab:green",
-        "reflow-static": "tab:olive",
-        "reflow-no-tail": "tab:cyan",
-    }
-    for r in results:
-        evals = r["evals"]
-        label = r["mode"] if r["seed"] == 0 else None
-        axes[0].plot(
-            [e["wall_s"] for e in evals],
-            [e["success_rate"] for e in evals],
-            "o-",
-            color=colors[r["mode"]],
-            alpha=0.6,
-            label=label,
-        )
-        axes[1].plot(
-            [s["wall_s"] for s in r["steps"]],
-            [s.get("trained_tokens_per_s", 0) for s in r["steps"]],
-            color=colors[r["mode"]],
-            alpha=0.6,
-            label=label,
-        )
-    for label, target in (targets or {}).items():
-        axes[0].axhline(target, color="grey", linestyle="--", linewidth=1)
-        axes[0].annotate(label, (0, target), color="grey", fontsize=8, va="bottom")
-    from reflow.recipes.run_log import eval_kind
-
-    axes[0].set(
-        xlabel="training seconds (evaluation excluded)",
-        ylabel=f"held-out success ({eval_kind(results[0]['evals'][-1])})",
-        ylim=(0, 1),
-    )
-    axes[1].set(xlabel="training seconds", ylabel="trained tokens/s (cumulative)")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    path = out / "bench_modes.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks that print figures")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    p = bench_sub.add_parser("modes", help="sync vs async vs reflow at equal hardware and budget")
+    p = bench_sub.add_parser(
+        "modes",
+        help="sync vs async vs reflow at equal hardware and budget",
+        description="Run each row on each seed for the same training budget; report time to targets, "
+        "the final held-out success and new tokens/s with 95% intervals, and each row against "
+        "sync seed by seed. A re-run with the same --out reuses the runs already done.",
+    )
     p.add_argument("--config", required=True)
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides of every run")
+    p.add_argument("--seeds", type=int, default=3, help="measured seeds 0..N-1 (the pilot runs on seed N)")
     p.add_argument("--budget-minutes", type=float, default=4.0, help="training wall-clock per run")
     p.add_argument(
         "--target",
         type=float,
         help="held-out success target fixed by hand (default: three from a sync pilot run, see the module docs)",
     )
-    p.add_argument("--out", default="runs/bench-modes")
+    p.add_argument(
+        "--out",
+        default="runs/bench-modes",
+        help="results (each run in OUT/runs/ as it finishes); a re-run with it skips the runs done",
+    )
     p.add_argument(
         "--ablations",
         action="store_true",
         help="also run reflow-static (elastic pool and tail scheduler off) and reflow-no-tail",
     )
     p.add_argument(
+        "--rows",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="NAME=KEY=VALUE,KEY=VALUE",
+        help="rows of your own beside the built-in ones, e.g. async-eta2=mode=async,replay.eta=2 "
+        "(mode: the row's mode=, reflow by default; give overrides for every row before --rows)",
+    )
+    p.add_argument(
         "--report-only",
         action="store_true",
-        help="rebuild the table and plot from OUT/bench_modes.json (e.g. with a --target fixed by hand), no runs",
+        help="rebuild the table and plot from OUT/bench_modes.json, or the runs stored in OUT/runs "
+        "(e.g. with a --target fixed by hand), no runs",
     )
     p.set_defaults(fn=cmd_bench_modes)
+
+
+def _report_inputs(out: Path) -> tuple[list[dict[str, Any]], float | None, dict[str, float] | None]:
+    """(results, budget, targets) of `--report-only`: the last full report, else the runs stored so far."""
+    report = out / "bench_modes.json"
+    if report.is_file():
+        saved = json.loads(report.read_text())
+        return saved["results"], saved.get("budget_minutes"), saved.get("targets")
+    runs = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
+    results = [r for r in runs if r["mode"] != PILOT]
+    if not results:
+        raise UsageError(f"--report-only: no bench_modes.json and no stored runs in {out}")
+    targets_file = out / "targets.json"
+    targets = json.loads(targets_file.read_text())["targets"] if targets_file.is_file() else None
+    rank = {name: i for i, name in enumerate(ROWS)}  # built-in rows in the table's order, then the others
+    results.sort(key=lambda r: (r["seed"], rank.get(r["mode"], len(rank)), r["mode"]))
+    return results, results[0]["spec"]["budget_minutes"], targets
 
 
 def cmd_bench_modes(args: argparse.Namespace) -> int:
     from reflow.console import console
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     budget = args.budget_minutes
     if args.report_only:
-        saved = json.loads((out / "bench_modes.json").read_text())
-        results, budget, targets = saved["results"], saved.get("budget_minutes", budget), saved.get("targets")
+        results, saved_budget, targets = _report_inputs(out)
+        budget = saved_budget or budget
         if args.target is not None:
             targets = {"target": args.target}
     else:
-        if args.target is not None:
+        if args.seeds < 1:
+            raise UsageError(f"--seeds {args.seeds}: at least one seed")
+        rows = variants(args.ablations, parse_rows(args.rows))
+        jobs = [
+            make_job(args.config, name, mode, seed, [*args.overrides, *extra], budget)
+            for seed in range(args.seeds)
+            for name, mode, extra in rows
+        ]
+        pilot_job = None
+        if args.target is None:
+            pilot_job = make_job(args.config, PILOT, "sync", args.seeds, [*args.overrides, *PLAIN], budget)
+        for job in [pilot_job, *jobs] if pilot_job else jobs:  # refuse a mismatch before running anything
+            stored_result(job, out)
+        out.mkdir(parents=True, exist_ok=True)
+        if pilot_job is None:
             targets, pilot = {"target": args.target}, None
         else:
-            pilot = run_pilot(args.config, args.seeds, budget, out, args.overrides, console.print)
+            pilot = run_or_reuse(args.config, pilot_job, budget, out, console.print)
             targets = pilot_targets(pilot)
         (out / "targets.json").write_text(json.dumps({"targets": targets, "pilot": pilot}, default=str))
         console.print(f"targets (fixed before the measured runs): {targets}")
-        results = run_modes(
-            args.config, args.seeds, budget, out, args.overrides, console.print, args.ablations
-        )
+        results = [run_or_reuse(args.config, job, budget, out, console.print) for job in jobs]
     markdown = table(results, targets, budget)
     (out / "bench_modes.md").write_text(markdown)
     report = {"targets": targets, "budget_minutes": budget, "results": results}
