@@ -167,6 +167,44 @@ async def test_an_episode_runner_with_routes_counts_its_migrations_in_the_record
     assert routes.progress() == []  # the route closed with the episode
 
 
+async def test_a_group_migrated_onto_older_weights_is_as_old_as_its_oldest_token(tmp_path):
+    """Engines at v5 and v3: an episode started on v5 and migrated to v3 holds v3 tokens, so its
+    stored group is version 3 and leaves the replay window (tau_max 2) at v6, not at v8."""
+    from transformers import AutoTokenizer
+
+    from reflow.models import build_tiny
+    from reflow.replay import ReplayStore
+    from reflow.train.advantages import group_advantages
+
+    tok = AutoTokenizer.from_pretrained(build_tiny(tmp_path))
+    home, target = CountingEngine(version=5, stop_every=5), CountingEngine(version=3, stop_every=5)
+    routes = _routes(home)
+    runner = EpisodeRunner(routes.home, tok, RolloutConfig(SamplingParams(max_new_tokens=6)), routes=routes)
+
+    async def migrate_once(n: int, rid: str) -> None:
+        if n == 2 and not home.aborted:
+            (ep,) = routes.progress()
+            assert ep["version"] == 5  # the newest token so far, for the tail policy
+            await routes.migrate(ep["id"], FakeHandle(target), "w1")
+
+    home.on_token = migrate_once
+    migrated = await runner.run(reflow.make("test/Echo-v0", max_turns=3), seed=0, group_id="g")
+    assert migrated.policy_version_start == 5 and migrated.oldest_version == 3
+    stay = copy.deepcopy(migrated)
+    stay.episode_id, stay.reward = "other", migrated.reward + 1.0
+    for turn in stay.turns:
+        turn.token_versions = [5] * len(turn.token_versions)
+    with ReplayStore(tmp_path / "replay.sqlite", "r") as store:
+        stored = store.add_group([migrated, stay], group_advantages([migrated.reward, stay.reward]))
+        assert (stored.policy_version, stored.newest_version) == (3, 5)
+        store.mark_consumed(["g"], 1)
+        window = {
+            v: [g.group_id for g in store.replayable(current_version=v, tau_max=2, max_reuse=3)]
+            for v in (5, 6)
+        }
+        assert window == {5: ["g"], 6: []}
+
+
 # -- the done-when test: TorchEngine, the tiny model -----------------------------------------------
 
 

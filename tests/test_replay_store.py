@@ -86,10 +86,13 @@ def test_add_group_rejects_bad_groups(store):
         store.group("g2")
 
 
-def test_group_version_is_the_oldest_episode_start_and_spread_ignores_infra_errors(store):
+def test_group_version_is_its_oldest_token_and_spread_ignores_infra_errors(store):
     episodes, advantages = make_group("g0", [0.0, 1.0, 0.5], version=4)
-    episodes[2].policy_version_start = 3
-    assert store.add_group(episodes, advantages).policy_version == 3
+    episodes[2].turns[-1].token_versions[-1] = 3  # a token an engine still at v3 generated
+    episodes[0].turns[0].token_versions[0] = 6
+    stored = store.add_group(episodes, advantages)
+    assert (stored.policy_version, stored.newest_version) == (3, 6)
+    assert [(g.policy_version, g.newest_version) for g in store.fresh()] == [(3, 6)]
     episodes, advantages = make_group("g1", [1.0, 0.0, 1.0])
     episodes[1].status = "infra_error"  # masked by the trainer: its 0.0 is no signal
     assert store.add_group(episodes, advantages).reward_spread == 0.0
@@ -255,7 +258,7 @@ def test_acknowledged_groups_survive_kill_9(tmp_path):
 
         with ReplayStore(db, run="durability") as s:
             assert s.integrity_check() == "ok"
-            stored = s.fresh()
+            stored = s.groups([g.group_id for g in s.fresh()])
         ids = [g.group_id for g in stored]
         assert ids[: len(acked)] == acked  # every acknowledged group, in arrival order
         assert ids == [f"g{n}" for n in range(len(ids))]  # plus at most what committed unprinted

@@ -18,6 +18,7 @@ from replay_helpers import make_group
 
 from reflow.replay import ReplayStore
 from reflow.replay.cycle import AdmissionControl, CycleConfig, accepted_groups, consume, plan_batch
+from reflow.replay.schema import SCHEMA_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,7 +119,7 @@ def test_a_version_1_file_gets_its_consumption_log_on_open(tmp_path):
         assert s.rollback_consumption(4) == 1
         assert state(s, "once") == (1, 2) and state(s, "twice") == (1, 4) and state(s, "never") == (0, None)
     with closing(sqlite3.connect(path)) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == 2
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
 
 
 def test_max_meta_is_the_last_task_seed(store):

@@ -168,12 +168,12 @@ def test_reflow_replays_when_rollout_is_short_and_respects_k():
 def test_new_trained_tokens_count_a_groups_first_training_only():
     """A step's fresh groups are new work; its replayed groups count in trained tokens only."""
     from reflow.replay.cycle import BatchPlan
-    from reflow.replay.store import StoredGroup
+    from reflow.replay.store import GroupInfo
     from reflow.sim.metrics import Recorder
 
     def group(gid, generated, consumed):
         meta = {"generated": generated, "tokens": 2 * generated}
-        return StoredGroup(gid, 1, 0, [], [], 1.0, consumed, None, meta)
+        return GroupInfo(gid, 1, 0, 1.0, consumed, None, meta)
 
     rec = Recorder(1)
     rec.trained(BatchPlan(fresh=[group("a", 100, 0)], replay=[group("b", 60, 1)]), 1, 4)

@@ -188,3 +188,41 @@ def test_the_migrate_and_set_concurrency_switches_turn_those_actions_off():
     eng = EngineState("e0", running=3, max_running=16, curve=curve)
     assert kinds(TailPolicy().decide(TailObservation(8, 8, (), (eng,)))) == ["set_concurrency"]
     assert TailPolicy(TailConfig(set_concurrency=False)).decide(TailObservation(8, 8, (), (eng,))) == []
+
+
+def test_a_migration_never_targets_older_weights_than_the_episodes_newest_token():
+    """Two engines with equal room, at v3 and v5: an episode whose newest token is v5 goes to v5 (on
+    v3 its later tokens would be older than the group's version says), whichever id sorts higher."""
+    for old, new in (("e0", "e2"), ("e2", "e0")):
+        straggler = InFlightEpisode("s", "g9", "e1", 5, 1000, 30.0, version=5)
+        obs = TailObservation(
+            batch_target=8,
+            groups_done=4,
+            episodes=(straggler, *(ep(f"{e}-{i}", e) for e in (old, new) for i in range(2))),
+            engines=(
+                EngineState(old, 2, 4, version=3),
+                EngineState("e1", 1, 4, version=5),
+                EngineState(new, 2, 4, version=5),
+            ),
+            episode_seconds=EPISODES_S,
+            prefill_tokens_per_s=1000.0,
+        )
+        (move,) = [a for a in TailPolicy().decide(obs) if a.kind == "migrate"]
+        assert move.target == new
+    # every engine with room older than the episode: the newest of them
+    obs = TailObservation(
+        batch_target=8,
+        groups_done=4,
+        episodes=(
+            InFlightEpisode("s", "g9", "e1", 5, 1000, 30.0, version=7),
+            *(ep(f"{e}-{i}", e) for e in ("e0", "e2") for i in range(2)),
+        ),
+        engines=(
+            EngineState("e0", 2, 4, version=4),
+            EngineState("e1", 1, 4, version=7),
+            EngineState("e2", 2, 4, version=6),
+        ),
+        episode_seconds=EPISODES_S,
+        prefill_tokens_per_s=1000.0,
+    )
+    assert [a.target for a in TailPolicy().decide(obs) if a.kind == "migrate"] == ["e2"]

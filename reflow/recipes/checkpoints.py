@@ -47,5 +47,5 @@ def leftover_groups(pool: ResourcePool, state: RunState) -> list[GroupReport]:
     trains the others retires them): sync mode trains on those before generating more. Fresh groups
     of other versions were generated with weights lost in the crash (or are spares of an older
     step): sync trains only on groups of the current weights, so they stay in the store untrained."""
-    stored = [g for g in ray.get(pool.replay.fresh.remote()) if g.policy_version == state.version]
-    return [report_group(g.episodes, 0.0) for g in stored]
+    ids = [g.group_id for g in ray.get(pool.replay.fresh.remote()) if g.policy_version == state.version]
+    return [report_group(g.episodes, 0.0) for g in ray.get(pool.replay.groups.remote(ids))]

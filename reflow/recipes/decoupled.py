@@ -153,7 +153,10 @@ def decoupled_loop(pool: ResourcePool, config: RunConfig, log: RunLog, state: Ru
         # groups (as admission allows) and engine concurrency limits follow their measured knee
         confirmed = weights.confirmed
         room = admission.room(confirmed, got.accepted, len(rollouts), trained[confirmed])
-        gate = tail.look(fresh, list(rollouts.values()), workers.in_flight, time.monotonic(), room)
+        in_flight = list(rollouts.values())
+        gate = tail.look(
+            fresh, in_flight, workers.in_flight, time.monotonic(), room, weights.versions.confirmed
+        )
         _log_events(log, state, "tail", gate.events)
         state.tail_migrations += gate.migrations
         # collect: start groups while the tail gate and admission (from the engines' confirmed

@@ -188,10 +188,12 @@ class TailGate:
         loads: Sequence[int],
         now: float,
         next_room: int = 0,
+        versions: Sequence[int] = (),
     ) -> TailLook:
         """`fresh_waiting`: groups with reward spread stored and not yet trained; `loads`: groups in
         flight per rollout worker; `now`: the clock `GroupInFlight.started` was read from;
-        `next_room`: groups admission control would let start now (the next batch's, on freed engines)."""
+        `next_room`: groups admission control would let start now (the next batch's, on freed engines);
+        `versions`: the weights each rollout worker's engine confirmed (migration targets)."""
         seqs = [n * self.group_size for n in loads]
         limits = [self.per_worker * self.group_size] * len(loads)
         if self.policy is None:
@@ -205,7 +207,12 @@ class TailGate:
             names, prefill = rt.engine_ids(), rt.prefill_tokens_per_s
             engines = tuple(
                 EngineState(
-                    e, sum(ep.engine == e for ep in episodes), limits[w], rt.curve(e), e in rt.released
+                    e,
+                    sum(ep.engine == e for ep in episodes),
+                    limits[w],
+                    rt.curve(e),
+                    e in rt.released,
+                    versions[w] if w < len(versions) else 0,
                 )
                 for w, e in enumerate(names)
             )

@@ -8,12 +8,13 @@ inspect | export` (reflow/replay/cli.py) read it from the command line. This pac
 """
 
 from reflow.replay.cycle import AdmissionControl, BatchPlan, CycleConfig, ReplayShare, consume, plan_batch
-from reflow.replay.store import ReplayStore, StoredGroup
+from reflow.replay.store import GroupInfo, ReplayStore, StoredGroup
 
 __all__ = [
     "AdmissionControl",
     "BatchPlan",
     "CycleConfig",
+    "GroupInfo",
     "ReplayShare",
     "ReplayStore",
     "StoredGroup",

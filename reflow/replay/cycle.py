@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from reflow.replay.store import ReplayStore, StoredGroup
+from reflow.replay.store import GroupInfo, ReplayStore
 
 _EPS = 1e-9  # floor(share * want) must not lose a group to float error (0.29 * 100 = 28.999...)
 
@@ -35,7 +35,8 @@ _EPS = 1e-9  # floor(share * want) must not lose a group to float error (0.29 * 
 @dataclass
 class CycleConfig:
     tau_max: int = 2
-    """Max age, in policy versions, of a replayed group (current_version - policy_version)."""
+    """Max age, in policy versions, of a replayed group (current_version - policy_version, the
+    version of its oldest token)."""
     max_reuse: int = 2
     """K: total consumptions of a group, the first (fresh) one included; 1 disables replay."""
     share_init: float = 0.25
@@ -220,13 +221,13 @@ class ReplayShare:
 class BatchPlan:
     """The groups one train step uses: fresh ones (arrival order), then replayed ones."""
 
-    fresh: list[StoredGroup] = field(default_factory=list)
-    replay: list[StoredGroup] = field(default_factory=list)
-    skipped: list[StoredGroup] = field(default_factory=list)
+    fresh: list[GroupInfo] = field(default_factory=list)
+    replay: list[GroupInfo] = field(default_factory=list)
+    skipped: list[GroupInfo] = field(default_factory=list)
     """Zero-spread fresh groups passed over: not trained, but `consume` retires them."""
 
     @property
-    def groups(self) -> list[StoredGroup]:
+    def groups(self) -> list[GroupInfo]:
         return [*self.fresh, *self.replay]
 
     @property
@@ -260,15 +261,15 @@ class BatchPlan:
         }
 
 
-def _fresh_with_spread(store: ReplayStore, want: int) -> tuple[list[StoredGroup], list[StoredGroup]]:
+def _fresh_with_spread(store: ReplayStore, want: int) -> tuple[list[GroupInfo], list[GroupInfo]]:
     """The first `want` fresh groups with spread in arrival order, and the zero-spread fresh groups
-    that arrived before the last of them (all of them if fresh supply is short). Reads the store in
-    growing pages: a backlog of fresh groups (a resumed run) is not decoded all at once."""
+    that arrived before the last of them (all of them if fresh supply is short). Reads the store's
+    index columns in growing pages: a backlog of fresh groups (a resumed run) is not read all at once."""
     limit = 2 * want + 8
     while True:
         page = store.fresh(limit)
-        picked: list[StoredGroup] = []
-        skipped: list[StoredGroup] = []
+        picked: list[GroupInfo] = []
+        skipped: list[GroupInfo] = []
         for g in page:
             if len(picked) == want:
                 break
@@ -278,21 +279,15 @@ def _fresh_with_spread(store: ReplayStore, want: int) -> tuple[list[StoredGroup]
         limit *= 4
 
 
-def _replay_candidates(
-    store: ReplayStore, n: int, current_version: int, cfg: CycleConfig
-) -> list[StoredGroup]:
+def _replay_candidates(store: ReplayStore, n: int, current_version: int, cfg: CycleConfig) -> list[GroupInfo]:
     if n <= 0 or cfg.max_reuse <= 1:
         return []
     query = {"current_version": current_version, "tau_max": cfg.tau_max, "max_reuse": cfg.max_reuse}
-    # The store orders groups with spread first, then newest (version, then arrival): the SQL limit
-    # alone gives the n newest groups with spread. Ranking by spread size needs the whole window,
-    # which tau_max keeps small, and this runs only when the trainer is short of fresh data anyway.
-    limit = None if cfg.prefer_spread else n
-    found = store.replayable(**query, limit=limit, prefer_spread=True)
-    candidates = [g for g in found if g.reward_spread > 0]
-    if cfg.prefer_spread:
-        candidates.sort(key=lambda g: -g.reward_spread)  # stable: newest first among equal spreads
-    return candidates[:n]
+    # The store ranks the window (largest spread first with prefer_spread, else groups with spread
+    # first; then newest: version, then arrival) on its index columns, so the limit alone gives the
+    # n candidates: no record is read, however large the window.
+    found = store.replayable(**query, limit=n, prefer_spread=True, rank_by_spread=cfg.prefer_spread)
+    return [g for g in found if g.reward_spread > 0]
 
 
 def plan_batch(

@@ -8,8 +8,11 @@ way readable.
 
 Schema versions (`PRAGMA user_version`): 1 kept per group only how often and the last step it was
 consumed; 2 adds the consumption log (`consumptions`: one row per group and trainer step), so a resumed
-run can undo the consumptions of steps its restored checkpoint never saw. `migrate` brings older files
-up on open.
+run can undo the consumptions of steps its restored checkpoint never saw; 3 makes a group's version its
+oldest *token's* (a migrated or carried-over episode can hold tokens older than its start), adds its
+newest token's version, its lineage (the run epoch whose weights made it: a resumed run starts a new
+one, `lineages`) and a quarantine mark (made by weights that died in a crash: never trained), and
+snaps float-noise reward spreads to 0. `migrate` brings older files up on open.
 """
 
 from __future__ import annotations
@@ -20,17 +23,17 @@ import zlib
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
-from reflow.records import MASKED_STATUSES, EpisodeRecord
+from reflow.records import MASKED_STATUSES, SPREAD_TOL, EpisodeRecord
 from reflow.records import reward_spread as spread_of
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS groups (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,  -- arrival order (AUTOINCREMENT never reuses a value)
     run TEXT NOT NULL,
     group_id TEXT NOT NULL,
-    policy_version INTEGER NOT NULL,
+    policy_version INTEGER NOT NULL,  -- the oldest policy version among the group's sampled tokens
     n_episodes INTEGER NOT NULL,
     reward_spread REAL NOT NULL,
     advantages TEXT NOT NULL,
@@ -38,10 +41,11 @@ CREATE TABLE IF NOT EXISTS groups (
     last_step INTEGER,
     created_at REAL NOT NULL,
     meta TEXT NOT NULL,
+    newest_version INTEGER NOT NULL DEFAULT 0,  -- the newest policy version among its sampled tokens
+    lineage INTEGER NOT NULL DEFAULT 0,  -- the run epoch (lineages.lineage) whose weights made it
+    quarantined INTEGER NOT NULL DEFAULT 0,  -- 1: made by weights a resumed run lost, never trained
     UNIQUE (run, group_id)
 );
-CREATE INDEX IF NOT EXISTS groups_by_consumed ON groups (run, consumed, seq);
-CREATE INDEX IF NOT EXISTS groups_by_version ON groups (run, policy_version);
 CREATE TABLE IF NOT EXISTS episodes (
     run TEXT NOT NULL,
     episode_id TEXT NOT NULL,
@@ -59,8 +63,6 @@ CREATE TABLE IF NOT EXISTS episodes (
     record BLOB NOT NULL,
     PRIMARY KEY (run, episode_id)
 );
-CREATE INDEX IF NOT EXISTS episodes_by_group ON episodes (group_seq, idx);
-CREATE INDEX IF NOT EXISTS episodes_by_version ON episodes (run, policy_version_start);
 CREATE TABLE IF NOT EXISTS in_flight (
     run TEXT NOT NULL,
     group_id TEXT NOT NULL,
@@ -76,7 +78,14 @@ CREATE TABLE IF NOT EXISTS consumptions (  -- the groups' consumed / last_step c
     PRIMARY KEY (run, group_id, step),
     FOREIGN KEY (run, group_id) REFERENCES groups (run, group_id)
 );
-CREATE INDEX IF NOT EXISTS consumptions_by_step ON consumptions (run, step);
+CREATE TABLE IF NOT EXISTS lineages (  -- one row per run epoch: a run started, or resumed
+    run TEXT NOT NULL,
+    lineage INTEGER NOT NULL,
+    parent INTEGER,  -- the lineage of the checkpoint it resumed from (NULL: a fresh start)
+    fork_version INTEGER NOT NULL,  -- the version of the weights it started from
+    started_at REAL NOT NULL,
+    PRIMARY KEY (run, lineage)
+);
 CREATE TABLE IF NOT EXISTS cursor (
     run TEXT NOT NULL,
     key TEXT NOT NULL,
@@ -85,17 +94,30 @@ CREATE TABLE IF NOT EXISTS cursor (
 );
 """
 
-GROUP_COLS = (
-    "seq, run, group_id, policy_version, n_episodes, reward_spread, advantages, consumed, last_step, "
-    "created_at, meta"
+# Indexes come after `migrate`: some are on columns an older file gets only there.
+_INDEXES = """
+CREATE INDEX IF NOT EXISTS groups_by_consumed ON groups (run, quarantined, consumed, seq);
+CREATE INDEX IF NOT EXISTS groups_by_version ON groups (run, policy_version);
+CREATE INDEX IF NOT EXISTS episodes_by_group ON episodes (group_seq, idx);
+CREATE INDEX IF NOT EXISTS episodes_by_version ON episodes (run, policy_version_start);
+CREATE INDEX IF NOT EXISTS consumptions_by_step ON consumptions (run, step);
+"""
+
+INFO_COLS = (
+    "seq, run, group_id, policy_version, newest_version, lineage, quarantined, n_episodes, reward_spread, "
+    "consumed, last_step, created_at, meta"
 )
+"""The index columns of a group (`GroupInfo`): what planning reads, no record decoded."""
 EPISODE_COLS = (
     "e.run, e.episode_id, e.group_seq, e.idx, g.group_id, g.policy_version, g.advantages, g.reward_spread, "
     "g.consumed, g.last_step, g.created_at, e.codec, e.record"
 )
 
 
-GROUP_INSERT = "run, group_id, policy_version, n_episodes, reward_spread, advantages, created_at, meta"
+GROUP_INSERT = (
+    "run, group_id, policy_version, newest_version, lineage, n_episodes, reward_spread, advantages, "
+    "created_at, meta"
+)
 
 # consumed / last_step of every group of a run, recomputed from the consumption log
 RECOUNT = """
@@ -120,9 +142,10 @@ def episode_columns(e: EpisodeRecord) -> tuple:
     )
 
 
-def statements() -> list[str]:
-    # executescript would COMMIT the open transaction first; run the statements one by one inside it.
-    return [s.strip() for s in _SCHEMA.split(";") if s.strip()]
+def statements(indexes: bool = False) -> list[str]:
+    """The CREATE statements of the tables (indexes=True: of the indexes, run after `migrate`).
+    executescript would COMMIT the open transaction first; they run one by one inside it."""
+    return [s.strip() for s in (_INDEXES if indexes else _SCHEMA).split(";") if s.strip()]
 
 
 def migrate(db: sqlite3.Connection, version: int) -> None:
@@ -142,6 +165,28 @@ def migrate(db: sqlite3.Connection, version: int) -> None:
             for i in range(n)
         ]
         db.executemany("INSERT OR IGNORE INTO consumptions VALUES (?, ?, ?, ?)", log)
+    if 0 < version < 3:
+        _migrate_to_3(db)
+
+
+def _migrate_to_3(db: sqlite3.Connection) -> None:
+    """Per-token versions read from the records (one pass over the file, once), the lineage columns
+    (every older group is lineage 0, none quarantined) and float-noise spreads snapped to 0."""
+    have = {row[1] for row in db.execute("PRAGMA table_info(groups)")}
+    for column in ("newest_version", "lineage", "quarantined"):
+        if column not in have:
+            db.execute(f"ALTER TABLE groups ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0")
+    versions: dict[int, tuple[int, int]] = {}
+    for seq, codec, blob in db.execute("SELECT group_seq, codec, record FROM episodes"):
+        record = EpisodeRecord.from_dict(decode_record(codec, blob))
+        old, new = record.oldest_version, record.newest_version
+        lo, hi = versions.get(seq, (old, new))
+        versions[seq] = (min(lo, old), max(hi, new))
+    db.executemany(
+        "UPDATE groups SET policy_version = ?, newest_version = ? WHERE seq = ?",
+        [(lo, hi, seq) for seq, (lo, hi) in versions.items()],
+    )
+    db.execute("UPDATE groups SET reward_spread = 0 WHERE reward_spread <= ?", (SPREAD_TOL,))
 
 
 def _json_default(obj: Any) -> Any:

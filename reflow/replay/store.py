@@ -10,10 +10,18 @@ Why SQLite, in WAL mode with synchronous=FULL:
 - indexed queries by run, policy version, group and consumption count, which the dual replay cycle
   needs, without reading the record blobs.
 
-What it keeps for the replay cycle (F5 adds the policy; this module only answers queries): arrival
-order (`seq`), the policy version a group was generated with, its reward spread, how often trainer steps
-consumed it and which step last did, wall-clock creation time, the GRPO advantages fixed at creation,
-the groups in flight (for admission control) and a small cursor table saved with checkpoints.
+What it keeps for the replay cycle (the policy lives in reflow/replay/cycle.py; this module only answers
+queries): arrival order (`seq`), the oldest and newest policy versions among a group's sampled tokens,
+its reward spread, how often trainer steps consumed it and which step last did, wall-clock creation
+time, the GRPO advantages fixed at creation, the groups in flight (for admission control) and a small
+cursor table saved with checkpoints. Planning reads the index columns only (`GroupInfo`: `fresh`,
+`replayable`); records are decoded only for the groups a step trains (`groups`).
+
+Lineage: each run epoch (a run started, or resumed from a checkpoint) is a lineage; every group carries
+the one whose weights made it. A resumed run starts a new lineage forked from its checkpoint's
+(`start_lineage`), so no (lineage, version) pair names two weight sets, and quarantines every group not
+made by an ancestor of its weights (`quarantine`: a version newer than the checkpoint in the crashed
+lineage, or a dead branch): quarantined groups are never trained, replayed or counted as accepted.
 
 Consumption is part of a run's checkpointed state: every mark is logged per (group, step), and a run
 resumed from the checkpoint of step S undoes the marks of steps after S (`rollback_consumption`), which
@@ -36,8 +44,8 @@ from typing import Any, Literal
 from reflow.records import EpisodeRecord
 from reflow.replay.schema import (
     EPISODE_COLS,
-    GROUP_COLS,
     GROUP_INSERT,
+    INFO_COLS,
     RECOUNT,
     SCHEMA_VERSION,
     decode_record,
@@ -53,17 +61,18 @@ _PAGE = 256  # episodes decoded per lock hold when iterating, so other threads a
 
 
 @dataclass
-class StoredGroup:
+class GroupInfo:
+    """A group's index columns: what planning and admission read, no record decoded."""
+
     group_id: str
     seq: int
     """Arrival order (monotonic, never reused)."""
     policy_version: int
-    """The version the group was generated with: min policy_version_start of its episodes."""
-    episodes: list[EpisodeRecord]
-    advantages: list[float]
-    """One per episode, fixed at creation (GRPO); replay reuses them."""
+    """The group's age: the oldest policy version among its episodes' sampled tokens
+    (`EpisodeRecord.oldest_version`). Every staleness bound (tau_max, eta) and metric reads it."""
     reward_spread: float
-    """max - min reward over the group's episodes, infra_error episodes left out (they are masked)."""
+    """max - min reward over the group's episodes, infra_error episodes left out (they are masked);
+    0.0 within `records.SPREAD_TOL`."""
     consumed: int
     """How many trainer steps consumed the group."""
     last_step: int | None
@@ -71,6 +80,22 @@ class StoredGroup:
     run: str = ""
     created_at: float = 0.0
     """Wall-clock seconds (time.time()) when the group was stored, for age in seconds."""
+    newest_version: int = 0
+    """The newest policy version among its sampled tokens: which weights it needs as ancestors."""
+    lineage: int = 0
+    """The run epoch whose weights made it (see the module docstring)."""
+    quarantined: bool = False
+    """Made by weights a resumed run lost: never trained."""
+    n_episodes: int = 0
+
+
+@dataclass
+class StoredGroup(GroupInfo):
+    """A group with its records: what a trainer step reads (`ReplayStore.groups`)."""
+
+    episodes: list[EpisodeRecord] = field(default_factory=list)
+    advantages: list[float] = field(default_factory=list)
+    """One per episode, fixed at creation (GRPO); replay reuses them."""
 
 
 class ReplayStore:
@@ -109,10 +134,14 @@ class ReplayStore:
                         f"{self.path}: replay schema {version}, this ReFlow reads {SCHEMA_VERSION}"
                     )
                 migrate(self._db, version)
+                for statement in statements(indexes=True):
+                    self._db.execute(statement)
                 self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except BaseException:
             self._db.close()
             raise
+        self.lineage: int = self._latest_lineage()
+        """The lineage the groups stored from now on carry (`start_lineage`)."""
 
     # ---- transactions
 
@@ -165,16 +194,21 @@ class ReplayStore:
         (group_id,) = group_ids
         advantages = [float(a) for a in advantages]
         meta = dict(meta or {})
-        version = min(e.policy_version_start for e in episodes)
+        version = min(e.oldest_version for e in episodes)
+        newest = max(e.newest_version for e in episodes)
         spread = reward_spread(episodes)
         blobs = [(e, encode_record(e, self.compress)) for e in episodes]  # CPU work outside the lock
         created_at = time.time()
         adv_json, meta_json = dumps(advantages), dumps(meta)
-        group_row = (self.run, group_id, version, len(episodes), spread, adv_json, created_at, meta_json)
+        group_row = (
+            self.run, group_id, version, newest, self.lineage, len(episodes), spread, adv_json, created_at,
+            meta_json,
+        )  # fmt: skip
         with self._write() as db:
             try:
                 cur = db.execute(
-                    f"INSERT INTO groups ({GROUP_INSERT}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", group_row
+                    f"INSERT INTO groups ({GROUP_INSERT}) VALUES ({', '.join('?' * len(group_row))})",
+                    group_row,
                 )
             except sqlite3.IntegrityError:
                 raise ValueError(f"group {group_id!r} is already in the store") from None
@@ -190,8 +224,9 @@ class ReplayStore:
             db.execute("DELETE FROM in_flight WHERE run = ? AND group_id = ?", (self.run, group_id))
         assert seq is not None
         return StoredGroup(
-            group_id, seq, version, list(episodes), advantages, spread, 0, None, meta, self.run, created_at
-        )
+            group_id, seq, version, spread, 0, None, meta, self.run, created_at, newest, self.lineage,
+            False, len(episodes), list(episodes), advantages,
+        )  # fmt: skip
 
     def mark_consumed(self, group_ids: list[str], step: int) -> None:
         """One trainer step consumed these groups: consumed += 1 and last_step = step for each (a group
@@ -267,6 +302,78 @@ class ReplayStore:
         with self._write(durable=False) as db:
             return db.execute("DELETE FROM in_flight WHERE run = ?", (self.run,)).rowcount
 
+    # ---- lineage: which weights made a group, across resumes
+
+    def start_lineage(self, fork_version: int, parent: int | None) -> int:
+        """Start a run epoch: a run starting afresh (`parent` None) or resumed from a checkpoint made in
+        lineage `parent` with weights of `fork_version`. Groups stored from now on carry the new id,
+        which is returned; call `quarantine` next."""
+        if fork_version < 0:
+            raise ValueError(f"fork_version must be >= 0, got {fork_version}")
+        with self._write() as db:
+            if (
+                parent is not None
+                and not db.execute(
+                    "SELECT 1 FROM lineages WHERE run = ? AND lineage = ?", (self.run, parent)
+                ).fetchone()
+            ):  # a store older than lineages: its groups are lineage 0, a root
+                db.execute("INSERT INTO lineages VALUES (?, ?, NULL, 0, ?)", (self.run, parent, time.time()))
+            (top,) = db.execute("SELECT MAX(lineage) FROM lineages WHERE run = ?", (self.run,)).fetchone()
+            lineage = 0 if top is None else top + 1
+            db.execute(
+                "INSERT INTO lineages VALUES (?, ?, ?, ?, ?)",
+                (self.run, lineage, parent, fork_version, time.time()),
+            )
+        self.lineage = lineage
+        return lineage
+
+    def ancestors(self) -> list[tuple[int, int | None]]:
+        """(lineage, newest version whose weights are an ancestor of the current ones; None: any), from
+        the current lineage up its resume chain."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT lineage, parent, fork_version FROM lineages WHERE run = ?", (self.run,)
+            ).fetchall()
+        links = {lineage: (parent, fork) for lineage, parent, fork in rows}
+        out: list[tuple[int, int | None]] = []
+        lineage: int | None = self.lineage
+        bound: int | None = None
+        while lineage is not None and lineage not in {a for a, _ in out}:
+            out.append((lineage, bound))
+            parent, fork = links.get(lineage, (None, 0))
+            bound = fork if bound is None else min(bound, fork)
+            lineage = parent
+        return out
+
+    def quarantine(self) -> int:
+        """Mark every group not made by ancestors of the current lineage's weights (`ancestors`) as
+        quarantined: a newer version than the checkpoint in the lineage that crashed, or a dead
+        branch. Returns how many groups this newly marked."""
+        keep = " OR ".join(
+            f"(lineage = {int(lin)}" + ("" if bound is None else f" AND newest_version <= {int(bound)}") + ")"
+            for lin, bound in self.ancestors()
+        )
+        with self._write() as db:
+            return db.execute(
+                f"UPDATE groups SET quarantined = 1 WHERE run = ? AND quarantined = 0 AND NOT ({keep})",
+                (self.run,),
+            ).rowcount
+
+    def quarantined(self) -> list[str]:
+        """The ids of the quarantined groups, in arrival order."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT group_id FROM groups WHERE run = ? AND quarantined = 1 ORDER BY seq", (self.run,)
+            )
+            return [r[0] for r in rows.fetchall()]
+
+    def _latest_lineage(self) -> int:
+        with self._lock:
+            (top,) = self._db.execute(
+                "SELECT MAX(lineage) FROM lineages WHERE run = ?", (self.run,)
+            ).fetchone()
+        return 0 if top is None else top
+
     # ---- cursor: small JSON values saved with checkpoints
 
     def set_cursor(self, key: str, value: Any) -> None:
@@ -292,9 +399,10 @@ class ReplayStore:
                 "SELECT MAX(json_extract(meta, ?)) FROM groups WHERE run = ?", (f"$.{key}", self.run)
             ).fetchone()[0]
 
-    def fresh(self, limit: int | None = None) -> list[StoredGroup]:
-        """Groups no trainer step consumed yet, in arrival order."""
-        return self._groups("consumed = 0", (), "seq", limit)
+    def fresh(self, limit: int | None = None) -> list[GroupInfo]:
+        """Groups no trainer step consumed yet (quarantined ones left out), in arrival order; index
+        columns only (`groups` reads the records)."""
+        return self._infos("quarantined = 0 AND consumed = 0", (), "seq", limit)
 
     def replayable(
         self,
@@ -304,16 +412,20 @@ class ReplayStore:
         max_reuse: int,
         limit: int | None = None,
         prefer_spread: bool = True,
-    ) -> list[StoredGroup]:
+        rank_by_spread: bool = False,
+    ) -> list[GroupInfo]:
         """Groups consumed at least once and fewer than `max_reuse` times (max_reuse counts every
-        consumption, the fresh one included), generated at most `tau_max` versions before
-        `current_version`. Groups with reward spread come first (with prefer_spread), then the newest:
+        consumption, the fresh one included), whose oldest token is at most `tau_max` versions before
+        `current_version`, quarantined ones left out; index columns only. Groups with reward spread
+        come first (with prefer_spread; rank_by_spread: the largest spread first), then the newest:
         latest policy version, then latest arrival."""
         order = "policy_version DESC, seq DESC"
-        if prefer_spread:
+        if rank_by_spread:
+            order = "reward_spread DESC, " + order
+        elif prefer_spread:
             order = "(reward_spread > 0) DESC, " + order
-        where = "consumed >= 1 AND consumed < ? AND policy_version >= ?"
-        return self._groups(where, (max_reuse, current_version - tau_max), order, limit)
+        where = "quarantined = 0 AND consumed >= 1 AND consumed < ? AND policy_version >= ?"
+        return self._infos(where, (max_reuse, current_version - tau_max), order, limit)
 
     def group(self, group_id: str) -> StoredGroup:
         return self.groups([group_id])[0]
@@ -364,12 +476,13 @@ class ReplayStore:
 
     def reuse_histogram(self, *, spread: bool | None = None) -> dict[int, int]:
         """Consumption count -> number of groups of this run (0: never consumed), from the group rows
-        only; spread=True/False: only groups with / without reward spread. For per-step metrics and
-        for admission control, which counts groups with spread (F5)."""
+        only, quarantined groups left out; spread=True/False: only groups with / without reward
+        spread. For per-step metrics and for admission control, which counts groups with spread."""
         where = {None: "", True: " AND reward_spread > 0", False: " AND reward_spread = 0"}[spread]
         with self._lock:
             rows = self._db.execute(
-                f"SELECT consumed, COUNT(*) FROM groups WHERE run = ?{where} GROUP BY consumed ORDER BY consumed",
+                f"SELECT consumed, COUNT(*) FROM groups WHERE run = ? AND quarantined = 0{where} "
+                "GROUP BY consumed ORDER BY consumed",
                 (self.run,),
             ).fetchall()
         return dict(rows)
@@ -439,8 +552,14 @@ class ReplayStore:
 
     # ---- internals
 
+    def _infos(self, where: str, params: tuple, order: str, limit: int | None) -> list[GroupInfo]:
+        sql = f"SELECT {INFO_COLS} FROM groups WHERE run = ? AND {where} ORDER BY {order} LIMIT ?"
+        with self._lock:
+            rows = self._db.execute(sql, (self.run, *params, -1 if limit is None else limit)).fetchall()
+        return [_info(row) for row in rows]
+
     def _groups(self, where: str, params: tuple, order: str, limit: int | None) -> list[StoredGroup]:
-        sql = f"SELECT {GROUP_COLS} FROM groups WHERE run = ? AND {where} ORDER BY {order} LIMIT ?"
+        sql = f"SELECT {INFO_COLS}, advantages FROM groups WHERE run = ? AND {where} ORDER BY {order} LIMIT ?"
         blobs: list[tuple[int, str, bytes]] = []
         with self._read() as db:
             rows = db.execute(sql, (self.run, *params, -1 if limit is None else limit)).fetchall()
@@ -457,12 +576,13 @@ class ReplayStore:
         for seq, codec, blob in blobs:
             by_seq[seq].append(EpisodeRecord.from_dict(decode_record(codec, blob)))
         out = []
-        for seq, run, gid, version, n, spread, adv, consumed, last_step, created, meta in rows:
-            if len(by_seq[seq]) != n:  # cannot happen short of file corruption: fail loudly
-                raise RuntimeError(f"group {gid!r} has {len(by_seq[seq])} of its {n} episodes")
-            group = StoredGroup(gid, seq, version, by_seq[seq], json.loads(adv), spread, consumed, last_step)
-            group.meta, group.run, group.created_at = json.loads(meta), run, created
-            out.append(group)
+        for row in rows:
+            info, seq = _info(row[:-1]), row[0]
+            if len(by_seq[seq]) != info.n_episodes:  # cannot happen short of file corruption: fail loudly
+                raise RuntimeError(
+                    f"group {info.group_id!r} has {len(by_seq[seq])} of its {info.n_episodes} episodes"
+                )
+            out.append(StoredGroup(**vars(info), episodes=by_seq[seq], advantages=json.loads(row[-1])))
         return out
 
     def _episode_rows(
@@ -489,3 +609,12 @@ class ReplayStore:
             if len(page) < _PAGE:
                 return
             last = (page[-1][2], page[-1][3])
+
+
+def _info(row: tuple) -> GroupInfo:
+    """A `GroupInfo` from a row of `INFO_COLS`."""
+    seq, run, gid, version, newest, lineage, quarantined, n, spread, consumed, last_step, created, meta = row
+    return GroupInfo(
+        gid, seq, version, spread, consumed, last_step, json.loads(meta), run, created, newest, lineage,
+        bool(quarantined), n,
+    )  # fmt: skip

@@ -117,6 +117,8 @@ class EpisodeRoute:
         self.pending: Migration | None = None
         self.counters = {"migrations": 0, "reprefill_tokens": 0, "reprefill_s": 0.0}
         self._version = home.weight_version
+        self.newest_version = -1
+        """The newest policy version among the tokens sampled so far (-1: none yet)."""
         self._part: tuple[Engine, str] | None = None  # the request in flight: engine, its request id
         self._user_aborted: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -134,6 +136,8 @@ class EpisodeRoute:
             "turns": self.turns,
             "tokens": self.tokens,
             "seconds": max(0.0, self.clock() - self.started),
+            # tokens of a request in flight come from its engine's weights (an abort keeps them)
+            "version": max(self.newest_version, self.engine.weight_version if self._part else -1),
         }
 
     async def migrate(self, target: Engine, name: str) -> Migration:
@@ -199,6 +203,7 @@ class EpisodeRoute:
                 out += last.output_ids
                 logprobs += last.logprobs
                 versions += last.meta.get("token_versions") or [last.weight_version] * len(last.output_ids)
+                self.newest_version = max([self.newest_version, *versions])
                 reprefill += int(last.meta.get("reprefill_tokens", 0))  # the engine's own resubmits
                 self._version = last.weight_version
                 self.tokens = len(input_ids) + len(out)

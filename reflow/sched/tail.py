@@ -133,6 +133,8 @@ class InFlightEpisode:
     """Context tokens so far (prompt + generated + tool output): what a migration re-prefills."""
     seconds: float
     """Seconds since the episode started."""
+    version: int = -1
+    """The newest policy version among its sampled tokens (-1: none yet)."""
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,8 @@ class EngineState:
     """Measured (concurrency, tokens/s) points, any order; fewer than 2: no concurrency advice."""
     released: bool = False
     """Already handed to the next batch or the trainer: the policy leaves it alone."""
+    version: int = 0
+    """The policy version of the weights the engine confirmed."""
 
     def __post_init__(self) -> None:
         if self.running < 0 or self.max_running < 1:
@@ -343,6 +347,7 @@ class TailPolicy:
         if obs.prefill_tokens_per_s <= 0 or obs.episode_seconds is None:
             return out  # no way to price a migration: leave the tail where it is
         free = {e.id: e.max_running - e.running for e in busy[:keep]}
+        versions = {e.id: e.version for e in busy[:keep]}
         by_engine: dict[str, list[InFlightEpisode]] = {}
         for ep in obs.episodes:
             by_engine.setdefault(ep.engine, []).append(ep)
@@ -360,7 +365,7 @@ class TailPolicy:
             if not prefill_s * self.cfg.consolidate_margin < saved_s:
                 continue
             for ep in eps:
-                target = max(free, key=lambda k: (free[k], k))
+                target = _target(ep, free, versions)
                 free[target] -= 1
                 out.append(
                     Migrate(
@@ -374,3 +379,11 @@ class TailPolicy:
                 )
             out.append(FreeSlot(src.id, use, f"engine {src.id} emptied by consolidation; {price}"))
         return out
+
+
+def _target(ep: InFlightEpisode, free: dict[str, int], versions: dict[str, int]) -> str:
+    """Where a migrated episode goes: an engine with room whose weights are not older than the
+    episode's newest token (its later tokens would be staler than its age says; when every engine
+    with room is older, the newest of them), then the most room, then the id."""
+    room = [k for k, n in free.items() if n > 0] or list(free)
+    return max(room, key=lambda k: (min(versions[k], ep.version), free[k], k))

@@ -126,7 +126,11 @@ class TailRuntime:
                 shift[engine] += 1
                 shift[ep["owner"]] -= 1
             age = ep["seconds"] + max(0.0, now - snap.at)
-            episodes.append(InFlightEpisode(ep["id"], ep["group"], engine, ep["turns"], ep["tokens"], age))
+            episodes.append(
+                InFlightEpisode(
+                    ep["id"], ep["group"], engine, ep["turns"], ep["tokens"], age, ep.get("version", -1)
+                )
+            )
         for g in in_flight:  # started since the snapshot: placeholders until the next one
             if g.group_id not in self.seen:
                 age, tokens = now - g.started, self.unknown_tokens

@@ -84,7 +84,7 @@ def report_group(records: list[EpisodeRecord], seconds: float) -> GroupReport:
     ]
     return GroupReport(
         group_id=records[0].group_id,
-        policy_version=min(r.policy_version_start for r in records),
+        policy_version=min(r.oldest_version for r in records),
         rewards=rewards,
         successes=[r.success for r in records],
         statuses=[r.status for r in records],

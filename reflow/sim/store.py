@@ -4,7 +4,7 @@
 Why not a real `ReplayStore` on a temporary SQLite file: the store commits and fsyncs every group
 (synchronous=FULL, the durability the runtime needs) and decodes full episode records on every query,
 and a 128-GPU scenario stores 10^4-10^5 groups; the simulated groups carry no tokens either. So this
-class answers the same queries with the same semantics, over `StoredGroup` objects with no episodes:
+class answers the same queries with the same semantics, over `GroupInfo` objects (index columns, no records):
 `fresh`, `replayable`, `mark_consumed`, `reuse_histogram`, `in_flight`, `begin_group`, `end_group`.
 It holds no planning logic: which groups a step trains on is decided by `plan_batch`. A test
 (tests/test_sim_store.py) drives both stores with the same operations and compares every answer.
@@ -14,25 +14,25 @@ from __future__ import annotations
 
 from collections import Counter
 
-from reflow.replay.store import StoredGroup
+from reflow.replay.store import GroupInfo
 
 
 class SimStore:
     def __init__(self) -> None:
-        self._groups: dict[str, StoredGroup] = {}
-        self._fresh: dict[str, StoredGroup] = {}  # consumed == 0, in arrival order (dicts keep it)
-        self._replay: dict[str, StoredGroup] = {}  # consumed >= 1, pruned of groups too old to matter
+        self._groups: dict[str, GroupInfo] = {}
+        self._fresh: dict[str, GroupInfo] = {}  # consumed == 0, in arrival order (dicts keep it)
+        self._replay: dict[str, GroupInfo] = {}  # consumed >= 1, pruned of groups too old to matter
         self._in_flight: dict[str, int] = {}
         self._seq = 0
         self._hist: Counter[tuple[int, bool]] = Counter()  # (consumed, has spread) -> groups
 
     # ---- writing
 
-    def add(self, group_id: str, policy_version: int, reward_spread: float, meta: dict) -> StoredGroup:
+    def add(self, group_id: str, policy_version: int, reward_spread: float, meta: dict) -> GroupInfo:
         if group_id in self._groups:
             raise ValueError(f"group {group_id!r} is already in the store")
         self._seq += 1
-        g = StoredGroup(group_id, self._seq, policy_version, [], [], reward_spread, 0, None, meta)
+        g = GroupInfo(group_id, self._seq, policy_version, reward_spread, 0, None, meta)
         self._groups[group_id] = self._fresh[group_id] = g
         self._hist[(0, reward_spread > 0)] += 1
         self._in_flight.pop(group_id, None)
@@ -75,7 +75,7 @@ class SimStore:
 
     # ---- the queries reflow.replay.cycle makes
 
-    def fresh(self, limit: int | None = None) -> list[StoredGroup]:
+    def fresh(self, limit: int | None = None) -> list[GroupInfo]:
         out = []
         for g in self._fresh.values():
             if limit is not None and len(out) >= limit:
@@ -91,13 +91,16 @@ class SimStore:
         max_reuse: int,
         limit: int | None = None,
         prefer_spread: bool = True,
-    ) -> list[StoredGroup]:
+        rank_by_spread: bool = False,
+    ) -> list[GroupInfo]:
         found = [
             g
             for g in self._replay.values()
             if 1 <= g.consumed < max_reuse and g.policy_version >= current_version - tau_max
         ]
-        if prefer_spread:
+        if rank_by_spread:
+            found.sort(key=lambda g: (g.reward_spread, g.policy_version, g.seq), reverse=True)
+        elif prefer_spread:
             found.sort(key=lambda g: (g.reward_spread > 0, g.policy_version, g.seq), reverse=True)
         else:
             found.sort(key=lambda g: (g.policy_version, g.seq), reverse=True)
@@ -116,7 +119,7 @@ class SimStore:
     def in_flight_groups(self) -> dict[str, int]:
         return dict(self._in_flight)
 
-    def group(self, group_id: str) -> StoredGroup:
+    def group(self, group_id: str) -> GroupInfo:
         return self._groups[group_id]
 
     def fresh_count(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from reflow.records import Segment
 from reflow.replay import StoredGroup
 from reflow.train.advantages import valid_for_training
 from reflow.train.trainer import TrainRow
@@ -30,11 +31,16 @@ def rows_from_groups(groups: Iterable[StoredGroup], step: int | None = None) -> 
             if not valid_for_training(episode.status):
                 continue
             rows += [
-                TrainRow(segment, advantage, group.group_id, episode.policy_version_start, replayed)
+                TrainRow(segment, advantage, group.group_id, oldest_version(segment), replayed)
                 for segment in episode.segments
                 if segment.n_sampled > 0
             ]
     return rows
+
+
+def oldest_version(segment: Segment) -> int:
+    """The oldest policy version among a segment's sampled tokens (its row's staleness)."""
+    return min(v for v, m in zip(segment.versions, segment.loss_mask, strict=True) if m)
 
 
 def shard_groups(sizes: Sequence[int], world_size: int) -> list[list[int]]:
