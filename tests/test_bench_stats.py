@@ -12,13 +12,10 @@ from reflow.recipes.bench_stats import (
     mean_interval,
     paired_difference,
     paired_ratio,
-    pm,
-    signed,
     t975,
     time_ratio,
-    time_ratio_cell,
-    times,
 )
+from reflow.recipes.bench_table import pm, signed, time_ratio_cell, times
 
 
 def test_t_quantiles_are_students_not_the_normals():

@@ -108,7 +108,7 @@ def parse_rows(items: list[str]) -> list[tuple[str, str, list[str]]]:
     return out
 
 
-def final_eval_overrides(config_path: str, overrides: list[str]) -> list[str]:
+def _final_eval_overrides(config_path: str, overrides: list[str]) -> list[str]:
     """Overrides that make the end-of-run measurement (`eval.pass_at`, greedy on `eval.end_episodes`
     tasks) run on at least FINAL_TASKS tasks, keeping the config's own when larger."""
     from reflow.config import load_config
@@ -177,7 +177,7 @@ def make_job(
 ) -> Job:
     """The job of row `name` on `seed`: `overrides` (the command line's, then the row's) plus the final
     evaluation's."""
-    overrides = [*overrides, *final_eval_overrides(config_path, [*overrides, f"mode={mode}"])]
+    overrides = [*overrides, *_final_eval_overrides(config_path, [*overrides, f"mode={mode}"])]
     spec = {
         "config_sha256": hashlib.sha256(Path(config_path).read_bytes()).hexdigest(),
         "mode": mode,

@@ -16,14 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from reflow.recipes.bench_stats import (
+    Interval,
+    TimeRatio,
     mean_interval,
     paired_difference,
     paired_ratio,
-    pm,
-    signed,
     time_ratio,
-    time_ratio_cell,
-    times,
 )
 from reflow.recipes.run_log import eval_kind, time_to_target
 
@@ -236,3 +234,56 @@ def plot(results: list[dict[str, Any]], out: Path, targets: dict[str, float] | N
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+# ---- table cells
+
+
+def _number(x: float) -> str:
+    """A table figure: integers above 100, else three significant digits (0 for |x| < 5e-4)."""
+    if abs(x) >= 100:
+        return f"{x:.0f}"
+    return "0" if abs(x) < 5e-4 else f"{x:.3g}"
+
+
+def pm(i: Interval | None) -> str:
+    """ "mean ± half-width" of a symmetric interval ("mean" alone for one seed, "-" for none)."""
+    if i is None:
+        return "-"
+    if i.low is None or i.high is None:
+        return _number(i.mean)
+    return f"{_number(i.mean)} ± {_number((i.high - i.low) / 2)}"
+
+
+def signed(i: Interval | None) -> str:
+    """A difference: "+0.031 [-0.012, +0.074]" ("-" for none)."""
+    return _bracketed(i, "+.3f")
+
+
+def times(i: Interval | None) -> str:
+    """A ratio: "1.42x [1.10, 1.83]" ("-" for none)."""
+    return _bracketed(i, ".2f", "x")
+
+
+def _bracketed(i: Interval | None, spec: str, suffix: str = "") -> str:
+    """The mean, then the interval in brackets when there is one (format `spec`)."""
+    if i is None:
+        return "-"
+    text = format(i.mean, spec) + suffix
+    if i.low is None or i.high is None:
+        return text
+    return f"{text} [{format(i.low, spec)}, {format(i.high, spec)}]"
+
+
+def time_ratio_cell(t: TimeRatio) -> str:
+    """The ratio with its seed count and every seed left out, by why."""
+    parts = [f"n={t.ratio.n}" if t.ratio else "n=0"]
+    for count, what in (
+        (t.row_missed, "row never reached"),
+        (t.base_missed, "sync never reached"),
+        (t.neither, "neither reached"),
+        (t.at_start, "met at the start"),
+    ):
+        if count:
+            parts.append(f"{what} {count}")
+    return f"{times(t.ratio)} ({', '.join(parts)})"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.live import Live
@@ -21,7 +21,9 @@ from reflow.config import RunConfig
 from reflow.metrics import idle_ratio
 from reflow.metrics import quantile as _quantile
 from reflow.recipes.run_state import RunState
-from reflow.sched.workers import GroupReport
+
+if TYPE_CHECKING:  # the workers module imports Ray: reading a run's log needs none of it
+    from reflow.sched.workers import GroupReport
 
 STEP_COLUMNS = (
     ("step", "step", "{:.0f}"),

@@ -10,12 +10,14 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from reflow.config import RunConfig
 from reflow.rollout.collect import EVAL_SEED_BASE
 from reflow.sched.tasks import LearnabilityFilter, round_size
-from reflow.sched.workers import GroupReport
+
+if TYPE_CHECKING:  # the workers module imports Ray: not needed to read or write a run state
+    from reflow.sched.workers import GroupReport
 
 
 @dataclass
