@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -103,9 +104,35 @@ def prepare_model(
     if resume:
         ckpt = latest_checkpoint(run_dir / "checkpoints")
         if ckpt is not None:
-            return str(ckpt), RunState(), ckpt
+            return str(resumed_model(ckpt, run_dir)), RunState(), ckpt
         log.console.print("[yellow]no checkpoint yet: starting the run over[/yellow]")
     if config.warmstart.enabled:
         return run_warmstart(config, log), RunState(), None
     overrides: dict[str, Any] = dict(config.model_overrides)
     return str(resolve_model_path(config.model, **overrides)), RunState(), None
+
+
+TRAINER_ONLY = ("optimizer.pt", "rng.pt")
+"""Files of a checkpoint that only the trainer reads (restored from the checkpoint itself)."""
+
+
+def resumed_model(ckpt: Path, run_dir: Path) -> Path:
+    """The checkpoint's model folder (weights, config, tokenizer) linked into `run_dir/model-resumed`,
+    which checkpoint rotation never touches: the actors a resumed run starts later (an elastic role
+    change, a new rollout worker) and SGLang weight pushes (which copy its config and tokenizer files)
+    read it for the whole run, after `train.keep_checkpoints` has removed the checkpoint itself.
+    Hard links where the file system allows (no copy of the weights), else copies."""
+    dest = run_dir / "model-resumed"
+    tmp = run_dir / ".model-resumed.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for src in ckpt.iterdir():
+        if src.name in TRAINER_ONLY or not src.is_file():
+            continue
+        try:
+            os.link(src, tmp / src.name)
+        except OSError:  # another file system, or links not allowed
+            shutil.copy2(src, tmp / src.name)
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest
