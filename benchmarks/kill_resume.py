@@ -30,8 +30,14 @@ Then the audit reads the replay file directly (read-only SQL: not through the co
 - over-trained: groups trained more often than the mode allows (sync, async: 1; reflow:
   replay.max_reuse): must be 0; replays: trainings beyond a group's first;
 - bad steps: steps 1..N in the final log not consuming B trained groups (async, reflow: exactly B;
-  sync: at most B, each generated with the weights of the step before).
-Exits 1 when lost, over-trained, stale rows, bad steps or missing groups are not all 0, or a run failed.
+  sync: at most B, each generated with the weights of the step before);
+- dead: groups made by weights that died, worked out here from the kill log, not read from the
+  store's marks: a group an incarnation stored whose newest token (read from its records) is newer
+  than a checkpoint some later resume started from (those weights are no ancestor of the final ones);
+  dead trained: dead groups a surviving step consumed: must be 0; quarantine mismatch: dead groups the
+  store did not quarantine plus quarantined ones that are not dead: must be 0.
+Exits 1 when lost, over-trained, stale rows, bad steps, missing groups, dead trained or quarantine
+mismatches are not all 0, or a run failed.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import zlib
 from contextlib import closing, suppress
 from pathlib import Path
 from typing import Any
@@ -105,10 +112,11 @@ def step_records(run_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def checkpoint_step(run_dir: Path) -> int:
-    """The step of the latest finished checkpoint (what --resume restores), 0 if none."""
+def checkpoint_step(run_dir: Path, key: str = "step") -> int:
+    """The step (or `key="version"`: the weights' version) of the latest finished checkpoint (what
+    --resume restores), 0 if none."""
     done = sorted((run_dir / "checkpoints").glob("step-*/state.json"))
-    return json.loads(done[-1].read_text())["step"] if done else 0
+    return json.loads(done[-1].read_text())[key] if done else 0
 
 
 def writing_checkpoint(run_dir: Path, since: float) -> bool:
@@ -214,11 +222,30 @@ def read_store(db: Path, run: str) -> tuple[dict[str, dict[str, Any]], list[tupl
         return {}, []
     with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
         groups = {
-            gid: {"spread": spread > 0, "consumed": consumed, "version": version}
-            for gid, spread, consumed, version in conn.execute(
-                "SELECT group_id, reward_spread, consumed, policy_version FROM groups WHERE run = ?", (run,)
+            gid: {
+                "spread": spread > 0,
+                "consumed": consumed,
+                "version": version,
+                "created": created,
+                "quarantined": bool(quarantined),
+                "newest": -1,
+            }
+            for gid, spread, consumed, version, created, quarantined in conn.execute(
+                "SELECT group_id, reward_spread, consumed, policy_version, created_at, quarantined "
+                "FROM groups WHERE run = ?",
+                (run,),
             )
         }
+        records = conn.execute(
+            "SELECT g.group_id, e.codec, e.record FROM episodes e JOIN groups g ON g.seq = e.group_seq "
+            "WHERE g.run = ?",
+            (run,),
+        )
+        for gid, codec, blob in records:  # the newest token of each group, from its records
+            record = json.loads(zlib.decompress(blob) if codec == "zlib" else blob)
+            versions = [v for turn in record["turns"] for v in turn["token_versions"]]
+            newest = max(versions, default=record["policy_version_end"])
+            groups[gid]["newest"] = max(groups[gid]["newest"], newest)
         log = conn.execute(
             "SELECT group_id, step, consumed_at FROM consumptions WHERE run = ?", (run,)
         ).fetchall()
@@ -243,6 +270,8 @@ def audit(
             uses[gid] = uses.get(gid, 0) + 1
             by_step.setdefault(step, []).append(gid)
     spread = {g for g, v in groups.items() if v["spread"]}
+    dead = {g for g, v in groups.items() if made_by_lost_weights(v, kills)}
+    quarantined = {g for g, v in groups.items() if v["quarantined"]}
     allowed = MAX_REUSE if mode == "reflow" else 1
     bad_steps = []
     for step in range(1, steps + 1):
@@ -272,8 +301,22 @@ def audit(
         "replayed": sum(max(0, uses.get(g, 0) - 1) for g in spread),
         "stale_log_rows": n_stale,
         "bad_steps": bad_steps,
+        "dead": len(dead),
+        "quarantined": len(quarantined),
+        "dead_trained": sum(uses.get(g, 0) > 0 for g in dead),
+        "quarantine_mismatch": len(dead ^ quarantined),
         "steps_in_log": max(by_step, default=0),
     }
+
+
+def made_by_lost_weights(group: dict[str, Any], kills: list[dict[str, Any]]) -> bool:
+    """Whether the weights that made `group` died: an incarnation stored it (before its kill) with a
+    token newer than the checkpoint version a later resume started from. Weights of version v made
+    in one incarnation survive only while every later resume starts at v or beyond."""
+    for i, kill in enumerate(kills):
+        if kill["start"] <= group["created"] < kill["time"]:
+            return group["newest"] > min(k["checkpoint_version"] for k in kills[i:])
+    return False
 
 
 # ---- one mode
@@ -323,6 +366,7 @@ def run_mode(mode: str, args: argparse.Namespace, rng: random.Random) -> dict[st
             "time": time.time(),
             "step": max((r["step"] for r in step_records(run_dir)), default=0),
             "checkpoint": checkpoint_step(run_dir),
+            "checkpoint_version": checkpoint_step(run_dir, "version"),
             "tmp_checkpoint_left": writing_checkpoint(run_dir, inc.start),
         }
         kills.append(kill)
@@ -353,6 +397,10 @@ COLUMNS = (
     ("replays", "replayed"),
     ("stale rows", "stale_log_rows"),
     ("bad steps", "bad_steps"),
+    ("dead", "dead"),
+    ("quarantined", "quarantined"),
+    ("dead trained", "dead_trained"),
+    ("q. mismatch", "quarantine_mismatch"),
     ("wall s", "wall_s"),
 )
 
@@ -402,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
         or r["stale_log_rows"]
         or r["bad_steps"]
         or r["missing_groups"]
+        or r["dead_trained"]
+        or r["quarantine_mismatch"]
     ]
     if failed:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)

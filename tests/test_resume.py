@@ -214,4 +214,5 @@ def test_kill_resume_benchmark(tmp_path):
     for r in results:
         assert r["kills"] == 1 and r["completed"]
         assert r["lost"] == 0 and r["over_trained"] == 0 and r["stale_log_rows"] == 0
+        assert r["dead_trained"] == 0 and r["quarantine_mismatch"] == 0  # lost weights' groups never train
         assert r["trained"] > 0 and r["acknowledged"] >= r["trained"]

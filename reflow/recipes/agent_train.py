@@ -19,7 +19,7 @@ import ray
 from rich.console import Console
 
 from reflow.config import RunConfig, dump_config
-from reflow.recipes.checkpoints import checkpoint, leftover_groups, rewind_replay
+from reflow.recipes.checkpoints import checkpoint, leftover_groups, rewind_replay, start_lineage
 from reflow.recipes.evaluation import eval_due, evaluate, evaluate_snapshots, measure_headroom
 from reflow.recipes.run_log import RunLog, plot_run, run_summary, step_record, summary_table
 from reflow.recipes.run_state import (
@@ -53,6 +53,9 @@ def train(config: RunConfig, *, resume: bool = False, console: Console | None = 
         if resume:  # also with no checkpoint yet: the run starts over, and so does consumption
             undone = rewind_replay(pool, state)
             console.print(f"replay: {undone} consumptions by steps after {state.step} undone")
+        start_lineage(pool, state, resumed_from=ckpt is not None if resume else None)
+        if state.groups_quarantined:
+            console.print(f"replay: {state.groups_quarantined} groups made by lost weights quarantined")
         ray.get(pool.replay.clear_in_flight.remote())  # groups in flight at a crash never arrived
         clock = Clock(state)
         sync_weights(pool, state.version)

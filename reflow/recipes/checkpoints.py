@@ -49,3 +49,19 @@ def leftover_groups(pool: ResourcePool, state: RunState) -> list[GroupReport]:
     step): sync trains only on groups of the current weights, so they stay in the store untrained."""
     ids = [g.group_id for g in ray.get(pool.replay.fresh.remote()) if g.policy_version == state.version]
     return [report_group(g.episodes, 0.0) for g in ray.get(pool.replay.groups.remote(ids))]
+
+
+def start_lineage(pool: ResourcePool, state: RunState, *, resumed_from: bool | None) -> None:
+    """Start this run's lineage in the replay store and quarantine what lost weights made.
+    `resumed_from`: None for a fresh run; True when resuming from a checkpoint (the weights of
+    `state.version` in `state.lineage`); False when resuming with no checkpoint yet (the starting
+    weights again, which every lineage shares at version 0: the latest lineage is the parent)."""
+    if resumed_from is None:
+        parent = None
+    elif resumed_from:
+        parent = state.lineage
+    else:
+        parent = ray.get(pool.replay.latest_lineage.remote())
+    state.lineage = ray.get(pool.replay.start_lineage.remote(state.version, parent))
+    ray.get(pool.replay.quarantine.remote())
+    state.groups_quarantined = len(ray.get(pool.replay.quarantined.remote()))

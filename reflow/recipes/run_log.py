@@ -290,6 +290,7 @@ def run_summary(
         "tail_over_provisioned": state.tail_over_provisioned,
         "tail_carried_over": state.tail_carried_over,
         "tail_migrations": state.tail_migrations,
+        "groups_quarantined": state.groups_quarantined,
         **headroom_summary(state.headroom),
     }
 

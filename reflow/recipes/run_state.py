@@ -61,6 +61,11 @@ class RunState:
     """Groups still generating when a step started on the first B done: they carry over."""
     tail_migrations: int = 0
     """Episodes migrated to another engine (consolidation)."""
+    lineage: int = 0
+    """The replay store's lineage of these weights: a resumed run forks a new one from its
+    checkpoint's (`ReplayStore.start_lineage`), so no (lineage, version) names two weight sets."""
+    groups_quarantined: int = 0
+    """Groups in the store made by weights a resume lost (never trained), after the last resume."""
 
     def count_rollout_slots(self, n: int, now_s: float) -> None:
         """`n` rollout slots held since the last count, up to training second `now_s`: call it before

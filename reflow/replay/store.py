@@ -140,7 +140,7 @@ class ReplayStore:
         except BaseException:
             self._db.close()
             raise
-        self.lineage: int = self._latest_lineage()
+        self.lineage: int = self.latest_lineage()
         """The lineage the groups stored from now on carry (`start_lineage`)."""
 
     # ---- transactions
@@ -367,7 +367,8 @@ class ReplayStore:
             )
             return [r[0] for r in rows.fetchall()]
 
-    def _latest_lineage(self) -> int:
+    def latest_lineage(self) -> int:
+        """The newest lineage of this run in the file (0 in a file with none)."""
         with self._lock:
             (top,) = self._db.execute(
                 "SELECT MAX(lineage) FROM lineages WHERE run = ?", (self.run,)
