@@ -1,7 +1,9 @@
 """A real `reflow serve-envs` in a child process on a free loopback port, for the env-server tests.
 
-The child also registers the test envs of `fake_envs` (slow, crashy, echo), so failure paths can be
-driven through the real server.
+The child also registers the test envs of `fake_envs` (slow, crashy, echo) and serves them beside the
+built-in ones unless the arguments list the envs (`--env`), so failure paths can be driven through the
+real server. Where no sandbox works (no Docker engine or image, no bubblewrap) it passes
+`--allow-host-code`, so PyCode-v0 is served as a local run would play it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import time
 from pathlib import Path
 
 import httpx
+from fake_envs import BUILTIN_ENVS, TEST_ENVS
 
 TESTS = Path(__file__).resolve().parent
 TOKEN = "test-token-0123456789abcdef"
+SERVED = (*BUILTIN_ENVS, *TEST_ENVS)
 LAUNCHER = (
     "import sys; sys.path.insert(0, sys.argv.pop(1)); import fake_envs; fake_envs.register_test_envs(); "
     "from reflow.server.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -26,8 +30,15 @@ LAUNCHER = (
 class ServerProcess:
     """`with ServerProcess(tmp_path, "--max-sessions", "2") as server:` ... `server.url`, `server.kill()`."""
 
-    def __init__(self, workdir: Path, *args: str, token: str | None = TOKEN) -> None:
+    def __init__(
+        self, workdir: Path, *args: str, token: str | None = TOKEN, envs: tuple[str, ...] | None = SERVED
+    ) -> None:
+        """`envs`: served when `args` name none (None: the server's own default)."""
         self.workdir, self.args, self.token = Path(workdir), list(args), token
+        if envs is not None and "--env" not in args:
+            self.args += [a for env_id in envs for a in ("--env", env_id)]
+        if _no_sandbox_here():
+            self.args.append("--allow-host-code")
         self.proc: subprocess.Popen[str] | None = None
         self.url = ""
         self.log_path = self.workdir / f"server-{os.getpid()}-{time.monotonic_ns()}.log"
@@ -104,6 +115,12 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _no_sandbox_here() -> bool:
+    from reflow.sandbox.factory import best_backend
+
+    return best_backend() == "subprocess"
 
 
 def remote_kwargs(server: ServerProcess, env_id: str, **kwargs) -> dict:

@@ -80,7 +80,7 @@ def test_a_port_in_use_is_a_runtime_failure(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        out = run("serve-envs", "--no-auth", "--port", str(port))
+        out = run("serve-envs", "--no-auth", "--port", str(port), "--env", "reflow/Calc-v0")
     _one_error_line(out, 1, f"cannot listen on 127.0.0.1:{port}")
 
 

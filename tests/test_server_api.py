@@ -24,7 +24,7 @@ def server(tmp_path_factory):
         "--max-body-bytes", "65536",
         "--step-timeout", "0.5",
         "--env-kwargs", '{"test/Slow-v0": {"step_s": 0.3}}',
-        "--allow-client-kwarg", "step_s",
+        "--allow-client-kwarg", "test/Slow-v0:step_s=float:0..5",
     ) as server:  # fmt: skip
         yield server
 

@@ -20,7 +20,8 @@ SEEDS = range(4)
 def server(tmp_path_factory):
     # PyCode runs its code in a host subprocess here; tests/test_server_reaper.py uses a real sandbox.
     kwargs = '{"reflow/PyCode-v0": {"sandbox": "subprocess"}}'
-    with ServerProcess(tmp_path_factory.mktemp("server"), "--env-kwargs", kwargs) as server:
+    args = ("--env-kwargs", kwargs, "--allow-host-code")
+    with ServerProcess(tmp_path_factory.mktemp("server"), *args) as server:
         yield server
 
 

@@ -48,6 +48,11 @@ def cmd_agent_train(args: argparse.Namespace) -> int:
                     "start over with --overwrite, or pick another run_name=..."
                 )
             shutil.rmtree(config.run_dir)
+    from reflow.sandbox.env_backend import host_code_warning
+
+    host_code = host_code_warning(config.env.id, config.env.kwargs)
+    if host_code:  # the run goes on (the operator of a local run is its user), but never silently
+        console.print(host_code, style="yellow", markup=False, highlight=False, soft_wrap=True)
     from reflow.recipes.agent_train import train
     from reflow.sched.pool import start_ray
 

@@ -1,8 +1,10 @@
 """`create_app(settings)`: the FastAPI application of the env server.
 
-It owns what is the same for every route: the lifespan (the env catalog and the reaper on start; a
-graceful close of every session and sandbox pool on stop), the request-body limit, auth on everything
-but `/healthz` (the OpenAPI document included), and one error shape: every error answers
+It owns what is the same for every route: the lifespan (the env catalog, each env's sandbox backend
+logged, and the reaper on start; a graceful close of every session and sandbox pool on stop), the
+request-body limit, auth on everything but `/healthz` (the OpenAPI document included; without a token,
+loopback hosts and origins only), the refusal of an env that would run model code on the host (unless
+`allow_host_code`), and one error shape: every error answers
 `{error_kind, code, message}`. Env failures are `env`; infrastructure, capacity and timeouts `infra`;
 bad requests, validation and auth `agent`. A method a path does not take answers 405 with an `Allow`
 header naming those it does; `OPTIONS` answers 204 with the same header.
@@ -27,8 +29,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from reflow.env import make
 from reflow.env.registration import spec_kwargs
+from reflow.sandbox.env_backend import HOST, env_backend, host_code_reason
 from reflow.server import openenv_ws
-from reflow.server.auth import OPEN_PATHS, SECURITY_SCHEME, TokenGate
+from reflow.server.auth import OPEN_PATHS, SECURITY_SCHEME, LoopbackOnly, TokenGate
 from reflow.server.routes import capacity, envs, error_response, health, sessions, ws
 from reflow.server.schemas import ApiError, StepRequest
 from reflow.server.sessions import SessionManager, served_env_ids
@@ -78,6 +81,39 @@ class BodyLimit:
         return error_response(413, "agent", "body_too_large", self._message())
 
 
+class HostCodeRefused(ValueError):
+    """A served env would run model-written code on the host, and the settings do not allow it."""
+
+
+def refuse_host_code(settings: ServerSettings) -> None:
+    """HostCodeRefused (one line, naming the envs and the flag) when a served env's sandbox resolved to
+    the host and `allow_host_code` is off. Every client's code would run as the server's user: it could
+    read the token, outlive its time limit, reach the network."""
+    if settings.allow_host_code:
+        return
+    host = []
+    for env_id in served_env_ids(settings):
+        with contextlib.suppress(Exception):  # not registered or not importable: the catalog says so
+            if env_backend(env_id, settings.env_kwargs.get(env_id)) == HOST:
+                host.append(env_id)
+    if host:
+        reason = host_code_reason(host[0], settings.env_kwargs.get(host[0]))
+        raise HostCodeRefused(
+            f"{', '.join(host)} would run model-written code on this host, unsandboxed ({reason}); "
+            "make a sandbox work here, or serve it anyway with --allow-host-code"
+        )
+
+
+def _log_backend(env_id: str, kwargs: dict[str, Any]) -> None:
+    kind = env_backend(env_id, kwargs)
+    if kind == HOST:
+        log.warning("%s: model code runs on this host, unsandboxed (--allow-host-code)", env_id)
+    elif kind is None:
+        log.info("%s: runs no model code", env_id)
+    else:
+        log.info("%s: model code runs in %s sandboxes", env_id, kind)
+
+
 async def build_catalog(ids: list[str], settings: ServerSettings) -> list[dict[str, Any]]:
     """Each served env's tools and limits, read from one instance; an env that cannot be made is left out."""
     catalog = []
@@ -87,6 +123,7 @@ async def build_catalog(ids: list[str], settings: ServerSettings) -> list[dict[s
         except Exception as e:
             log.warning("not serving %s: it cannot be made here (%s: %s)", env_id, type(e).__name__, e)
             continue
+        _log_backend(env_id, settings.env_kwargs.get(env_id, {}))
         spec = spec_kwargs(env_id)
         tools = [tool.schema for tool in env.unwrapped.tools]
         await env.close()
@@ -102,7 +139,8 @@ async def build_catalog(ids: list[str], settings: ServerSettings) -> list[dict[s
 
 
 def create_app(settings: ServerSettings) -> FastAPI:
-    """The app; serve it with uvicorn (`reflow serve-envs` does)."""
+    """The app; serve it with uvicorn (`reflow serve-envs` does). HostCodeRefused: see `refuse_host_code`."""
+    refuse_host_code(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -140,6 +178,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if settings.token is not None:
         app.add_middleware(TokenGate, token=settings.token)  # added last: runs first
+    else:
+        app.add_middleware(LoopbackOnly)
     return app
 
 

@@ -1,4 +1,4 @@
-"""`reflow serve-envs`: serve every registered env over HTTP (FastAPI on uvicorn).
+"""`reflow serve-envs`: serve the listed envs (the built-in ones by default) over HTTP (FastAPI on uvicorn).
 
 `reflow/cli.py` registers it with `add_parser(sub)`; FastAPI and uvicorn are imported only when it runs.
 """
@@ -7,25 +7,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import ipaddress
 import json
 import logging
 import socket
 import sys
 
 from reflow.errors import CommandError, Parser, UsageError, report
-from reflow.server.settings import TOKEN_ENV_VAR, ServerSettings, load_token
-
-LOOPBACK_NAMES = ("localhost",)
-
-
-def is_loopback(host: str) -> bool:
-    if host in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+from reflow.server.settings import BUILTIN_ENVS, TOKEN_ENV_VAR, ServerSettings, is_loopback, load_token
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -51,6 +39,12 @@ def _env_kwargs(text: str | None) -> dict[str, dict]:
     if not isinstance(kwargs, dict) or not all(isinstance(v, dict) for v in kwargs.values()):
         raise UsageError('serve-envs --env-kwargs must map env ids to kwargs: {"ID": {"name": value}}')
     return kwargs
+
+
+def _client_kwargs(args: argparse.Namespace) -> dict:
+    from reflow.server.client_kwargs import parse_rules  # reads env registrations: not for --help
+
+    return parse_rules(args.allow_client_kwarg or [], list(args.env or BUILTIN_ENVS))
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
@@ -89,9 +83,11 @@ def _settings(args: argparse.Namespace, token: str | None) -> ServerSettings:
         max_connections=args.max_connections,
         head_timeout_s=args.head_timeout,
         ws_idle_timeout_s=args.ws_idle_timeout,
+        max_idle_envs=args.max_idle_envs,
         env_ids=args.env or None,
         env_kwargs=_env_kwargs(args.env_kwargs),
-        client_env_kwargs=frozenset(args.allow_client_kwarg or ()),
+        client_env_kwargs=_client_kwargs(args),
+        allow_host_code=args.allow_host_code,
     )
 
 
@@ -107,6 +103,12 @@ def cmd_serve_envs(args: argparse.Namespace) -> int:
             f"serve-envs needs the server extra (pip install 'reflow-rl[server]'): {e}"
         ) from None
 
+    from reflow.server.app import HostCodeRefused, refuse_host_code
+
+    try:  # before the port opens: a server that would run clients' code on the host never starts
+        refuse_host_code(settings)
+    except HostCodeRefused as e:
+        raise CommandError(f"serve-envs: {e}") from None
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -138,14 +140,19 @@ def cmd_serve_envs(args: argparse.Namespace) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve-envs",
-        help="serve every registered env over HTTP (needs the server extra)",
+        help="serve envs over HTTP, the built-in ones unless --env lists others (needs the server extra)",
         description=(
-            "Serve the registered envs with the session protocol (POST /v1/sessions, .../step, GET/DELETE "
-            f"/v1/sessions/ID, /v1/envs, /v1/capacity, /healthz; the same messages as frames on one "
-            "WebSocket, /v1/ws, which RemoteEnv uses) and, for OpenEnv clients, OpenEnv's /ws "
+            "Serve envs (the built-in ones, or exactly those --env lists) with the session protocol "
+            "(POST /v1/sessions, .../step, GET/DELETE /v1/sessions/ID, /v1/envs, /v1/capacity, /healthz; "
+            "the same messages as frames on one WebSocket, /v1/ws, which RemoteEnv uses) and, for OpenEnv clients, OpenEnv's /ws "
             "protocol under /openenv/ENV_ID. Auth: a bearer token from --token-file or "
             f"${TOKEN_ENV_VAR}; without one it refuses to start unless --no-auth is given, and --no-auth "
-            "works only on a loopback host. Binds to 127.0.0.1 unless --host says otherwise."
+            "works only on a loopback host (and answers only loopback Host and Origin headers). One token "
+            "is one tenant: whoever holds it may step or delete any session whose id it knows; serve "
+            "clients that must not reach each other from separate servers. An env that would run "
+            "model-written code on this host (its sandbox resolved to subprocess: no Docker sandbox image, "
+            "no bubblewrap) is refused unless --allow-host-code is given. Binds to 127.0.0.1 unless --host "
+            "says otherwise."
         ),
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -176,10 +183,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=ServerSettings.ws_idle_timeout_s,
         help="close WebSockets idle this long",
     )
-    p.add_argument("--env", action="append", metavar="ID", help="serve only these envs (repeatable)")
+    p.add_argument(
+        "--env",
+        action="append",
+        metavar="ID",
+        help=f"serve exactly these envs (repeatable; default: {', '.join(BUILTIN_ENVS)})",
+    )
     p.add_argument("--env-kwargs", help='constructor kwargs per env, JSON: {"reflow/PyCode-v0": {...}}')
     p.add_argument(
-        "--allow-client-kwarg", action="append", metavar="NAME", help="a constructor kwarg clients may set"
+        "--allow-client-kwarg",
+        action="append",
+        metavar="ENV_ID:NAME=TYPE",
+        help="a constructor kwarg clients may set on one env, and its values; TYPE: int:LO..HI, "
+        "float:LO..HI, bool, choice:A,B,... or tasks (the tasks kwarg: task objects, never a path); "
+        "never sandbox (repeatable)",
+    )
+    p.add_argument(
+        "--max-idle-envs",
+        type=int,
+        default=ServerSettings.max_idle_envs,
+        help="idle envs kept for reuse in all, across envs and client kwargs values",
+    )
+    p.add_argument(
+        "--allow-host-code",
+        action="store_true",
+        help="serve an env even when its model-written code would run on this host, unsandboxed",
     )
     p.add_argument("--ssl-certfile")
     p.add_argument("--ssl-keyfile")

@@ -15,6 +15,7 @@ it plays in `play_episode` and the episode runner unchanged. Each `reset` is a n
   (connect errors) or was refused (429, 503).
 - When the server stays unreachable, `InfraError` (ContainErrors and the episode runner mark the
   episode infra_error); a session closed for its deadline ends the episode as "timeout".
+- A token that would travel over plain `http://` to a host off loopback gets a warning, once per host.
 - The scripted policy (`demo`), `pick_task` and `generate_task` use a local copy of the env when the
   same id is registered here; a seeded task the local copy picks is used only if its hash matches.
 
@@ -28,8 +29,10 @@ import contextlib
 import logging
 import os
 import random
+import warnings
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from reflow.env import (
     AssistantTurn,
@@ -43,6 +46,7 @@ from reflow.env import (
     Task,
     task_hash,
 )
+from reflow.server.settings import is_loopback
 from reflow.server.transports import (
     Answer,
     HttpTransport,
@@ -61,6 +65,21 @@ log = logging.getLogger(__name__)
 URL_ENV_VAR = "REFLOW_ENV_SERVER_URL"
 TOKEN_ENV_VAR = "REFLOW_SERVER_TOKEN"
 TRANSPORTS = ("auto", "ws", "http")
+_warned_hosts: set[str] = set()
+
+
+def warn_cleartext_token(url: str) -> None:
+    """Warn (once per host) that a token sent to `url` would cross the network unencrypted."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.scheme != "http" or is_loopback(host) or host in _warned_hosts:
+        return
+    _warned_hosts.add(host)
+    warnings.warn(
+        f"RemoteEnv sends its token to {host} over plain http://, readable on the way; use https:// "
+        "(a TLS proxy in front of the server, or serve-envs --ssl-certfile)",
+        stacklevel=3,
+    )
 
 
 class RemoteEnv(Env):
@@ -98,6 +117,8 @@ class RemoteEnv(Env):
         if token is None and token_file is not None:
             token = Path(token_file).read_text(encoding="utf-8").strip()
         self.token = token if token is not None else os.environ.get(TOKEN_ENV_VAR) or None
+        if self.token:
+            warn_cleartext_token(self.url)
         self.env_kwargs = dict(env_kwargs or {})
         self.session_deadline_s = session_deadline_s
         self.request_timeout_s, self.retries, self.backoff_s = request_timeout_s, retries, backoff_s

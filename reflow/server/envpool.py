@@ -2,9 +2,11 @@
 env id and kwargs, as a local env is reset between episodes, instead of being built again.
 
 Building an env can cost more than its steps (a tool's argument model is made per instance), so the
-server keeps up to `size` idle envs per (env id, kwargs). Any other ending (a timeout that cancelled a
-step, an env or infra error, truncation) closes the env. Idle envs are closed after `idle_s` and on
-shutdown, so whatever they hold (a sandbox lease) is released.
+server keeps up to `size` idle envs per (env id, kwargs), and `max_total` in all: clients may choose
+kwargs values, each distinct one a pool of its own, so past the total the longest idle env is closed
+(nothing else counts idle envs: `max_sessions` counts live sessions). Any other ending (a timeout that
+cancelled a step, an env or infra error, truncation) closes the env. Idle envs are closed after
+`idle_s` and on shutdown, so whatever they hold (a sandbox lease) is released.
 """
 
 from __future__ import annotations
@@ -35,30 +37,45 @@ async def close_env(env: Env) -> None:
 
 
 class EnvPool:
-    def __init__(self, size: int, idle_s: float) -> None:
-        self.size, self.idle_s = size, idle_s
-        self.idle: dict[str, deque[tuple[Env, float]]] = {}
+    def __init__(self, size: int, idle_s: float, max_total: int) -> None:
+        self.size, self.idle_s, self.max_total = size, idle_s, max_total
+        self.idle: dict[str, deque[tuple[Env, float]]] = {}  # no empty deque: a key per value seen
 
     def take(self, env_id: str, kwargs: dict[str, Any]) -> Env:
         """An idle env for these settings, or a new one from `reflow.env.make`."""
-        idle = self.idle.get(pool_key(env_id, kwargs))
+        key = pool_key(env_id, kwargs)
+        idle = self.idle.get(key)
         if idle:
-            return idle.pop()[0]
+            env = idle.pop()[0]
+            if not idle:
+                del self.idle[key]
+            return env
         return make(env_id, **kwargs)
 
     async def give_back(self, env_id: str, kwargs: dict[str, Any], env: Env) -> None:
-        idle = self.idle.setdefault(pool_key(env_id, kwargs), deque())
-        if len(idle) < self.size:
-            idle.append((env, time.monotonic()))
-        else:
+        key = pool_key(env_id, kwargs)
+        if len(self.idle.get(key, ())) >= self.size or self.max_total < 1:
             await close_env(env)
+            return
+        if len(self) >= self.max_total:
+            await close_env(self._pop_oldest())
+        self.idle.setdefault(key, deque()).append((env, time.monotonic()))
+
+    def _pop_oldest(self) -> Env:
+        key = min(self.idle, key=lambda k: self.idle[k][0][1])
+        env = self.idle[key].popleft()[0]
+        if not self.idle[key]:
+            del self.idle[key]
+        return env
 
     async def reap(self) -> int:
         """Close envs idle for longer than `idle_s`; returns how many."""
         cutoff, doomed = time.monotonic() - self.idle_s, []
-        for idle in self.idle.values():
+        for key, idle in list(self.idle.items()):
             while idle and idle[0][1] < cutoff:
                 doomed.append(idle.popleft()[0])
+            if not idle:
+                del self.idle[key]
         for env in doomed:
             await close_env(env)
         return len(doomed)

@@ -11,6 +11,8 @@
   pushed out by newer ones (`ended_kept`); a client need not delete a finished session.
 - The reaper closes sessions idle longer than `idle_timeout_s` or past their deadline.
 - Results are kept as JSON text, so a replayed answer costs no encoding.
+- A reset that fails answers a generic message and an error id; the cause (which may name host paths)
+  goes to the server's log under that id.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reflow.env import AssistantTurn, Env, EnvError, InfraError, Observation, StepResult
-from reflow.env.registration import env_ids, spec_kwargs
+from reflow.server.client_kwargs import check_client_kwargs
 from reflow.server.envpool import EnvPool, close_env
 from reflow.server.schemas import LIVE_STATES, ApiError, CreateSession, check_transition
-from reflow.server.settings import ServerSettings
+from reflow.server.settings import BUILTIN_ENVS, ServerSettings
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +43,9 @@ TOMBSTONES_KEPT = 16384
 
 
 def served_env_ids(settings: ServerSettings) -> list[str]:
-    """What the server offers: the configured ids, or every registered env except client proxies."""
-    if settings.env_ids is not None:
-        return list(settings.env_ids)
-    # A served proxy (reflow/Remote-v0, the interop adapters) would let any client make the server call
-    # any URL or start any program.
-    proxies = ("reflow.server.", "reflow.interop.")
-    return [e for e in env_ids() if not spec_kwargs(e)["env_entry_point"].startswith(proxies)]
+    """What the server offers: the listed ids, else the built-in envs (an allowlist, never "all that is
+    registered": an installed plugin's env, or a proxy, is served only when listed)."""
+    return list(settings.env_ids if settings.env_ids is not None else BUILTIN_ENVS)
 
 
 def json_text(obj: Observation | StepResult) -> str:
@@ -87,7 +85,7 @@ class SessionManager:
         self.counts: Counter[str] = Counter()
         self.steps_in_flight = 0
         self.draining = False
-        self.envs = EnvPool(settings.env_pool_size, settings.idle_timeout_s)
+        self.envs = EnvPool(settings.env_pool_size, settings.idle_timeout_s, settings.max_idle_envs)
         self._reaper: asyncio.Task[None] | None = None
 
     # ---- state ---------------------------------------------------------------------------------------
@@ -150,11 +148,7 @@ class SessionManager:
         if req.env_id not in self.served:
             known = ", ".join(sorted(self.served))
             raise ApiError(404, "agent", "env_not_found", f"no env {req.env_id!r} here; served: {known}")
-        refused = sorted(set(req.env_kwargs) - cfg.client_env_kwargs)
-        if refused:
-            raise ApiError(
-                403, "agent", "env_kwargs_refused", f"this server does not let clients set {refused}"
-            )
+        check_client_kwargs(cfg.client_env_kwargs.get(req.env_id, {}), req.env_kwargs)
         if self.live >= cfg.max_sessions:
             raise ApiError(
                 429, "infra", "at_capacity", f"{cfg.max_sessions} sessions are live", self._retry_after()
@@ -185,16 +179,21 @@ class SessionManager:
 
     @staticmethod
     def _reset_error(e: BaseException, req: CreateSession) -> ApiError:
-        what = f"{type(e).__name__}: {e}"
+        """The client's answer: what kind of failure, and an id under which the log has its cause."""
+        error_id = secrets.token_hex(6)
+        log.warning(
+            "session of %s failed to start (error id %s): %s: %s", req.env_id, error_id, type(e).__name__, e
+        )
+        ref = f"(error id {error_id}; the server's log has the cause)"
         if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
-            return ApiError(504, "infra", "deadline", f"the env did not start within its deadline ({what})")
+            return ApiError(504, "infra", "deadline", f"the env did not start within its deadline {ref}")
         if isinstance(e, (ValueError, TypeError)):  # a bad task or kwarg (ContainErrors says so)
-            return ApiError(422, "agent", "bad_task", what)
+            return ApiError(422, "agent", "bad_task", f"the env rejected the task or its kwargs {ref}")
         if isinstance(e, InfraError) or isinstance(e.__cause__, InfraError):
-            return ApiError(503, "infra", "env_infra", what)
+            return ApiError(503, "infra", "env_infra", f"the env's infrastructure failed {ref}")
         if isinstance(e, EnvError) and req.task is not None:  # most likely the task the client sent
-            return ApiError(422, "env", "reset_failed", f"the env failed on the given task: {what}")
-        return ApiError(500, "env", "reset_failed", what)
+            return ApiError(422, "env", "reset_failed", f"the env failed on the given task {ref}")
+        return ApiError(500, "env", "reset_failed", f"the env failed to start {ref}")
 
     def _retry_after(self) -> dict[str, str]:
         return {"Retry-After": str(self.settings.retry_after_s)}

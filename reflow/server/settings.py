@@ -1,16 +1,43 @@
-"""The env server's settings: its limits, which envs it serves, and its bearer token."""
+"""The env server's settings: its limits, which envs it serves (and which kwargs clients set), whether
+model code may run on the host, its bearer token, and what counts as a loopback host."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import stat
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from reflow.server.client_kwargs import KwargRule
 
 TOKEN_ENV_VAR = "REFLOW_SERVER_TOKEN"
 MIN_TOKEN_CHARS = 16
+BUILTIN_ENVS = (
+    "reflow/Calc-v0",
+    "reflow/Guess-v0",
+    "reflow/LongTail-v0",
+    "reflow/Math-v0",
+    "reflow/PyCode-v0",
+)
+"""What the server serves unless told otherwise: ReFlow's own envs. Never, unless listed, a proxy
+(reflow/Remote-v0 or an interop adapter would let any client make the server call any URL or start any
+program) or a plugin's env."""
+LOOPBACK_NAMES = ("localhost",)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address, IPv6 with or without brackets) is this machine only."""
+    host = host.strip("[]")
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass
@@ -37,6 +64,8 @@ class ServerSettings:
     """How long a finished session's final result is kept (a client need not delete it)."""
     env_pool_size: int = 32
     """Idle envs kept per env id and kwargs, reset for the next session instead of built again."""
+    max_idle_envs: int = 64
+    """Idle envs kept in all, across env ids and kwargs values (the longest idle is closed first)."""
     shutdown_grace_s: float = 10.0
     """On shutdown, in-flight steps get this long to finish before they are cancelled."""
     max_connections: int | None = None
@@ -49,12 +78,15 @@ class ServerSettings:
     ws_idle_timeout_s: float = 300.0
     """A WebSocket on which the client sends no frame for this long is closed (1000)."""
     env_ids: list[str] | None = None
-    """Envs to serve (None: every registered env that runs here)."""
+    """Envs to serve (None: `BUILTIN_ENVS`)."""
     env_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Constructor kwargs per env id, set by whoever runs the server."""
-    client_env_kwargs: frozenset[str] = frozenset()
-    """Constructor kwargs a client may set when it creates a session (none by default: a kwarg such as
-    PyCode's `sandbox` or a `tasks` file path is the operator's decision, not the client's)."""
+    client_env_kwargs: dict[str, dict[str, KwargRule]] = field(default_factory=dict)
+    """Per env id, the constructor kwargs a client may set when it creates a session and their values
+    (none by default; `reflow.server.client_kwargs` says what may be declared; never `sandbox`)."""
+    allow_host_code: bool = False
+    """Serve an env that would run model-written code on the host (its sandbox resolved to "subprocess").
+    Off: such an env is refused at start-up."""
 
     def __post_init__(self) -> None:
         if self.token is None and not self.no_auth:
@@ -75,7 +107,16 @@ class ServerSettings:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
-        self.client_env_kwargs = frozenset(self.client_env_kwargs)
+        if self.max_idle_envs < 0:
+            raise ValueError("max_idle_envs must be >= 0")
+        if self.client_env_kwargs:
+            from reflow.server.client_kwargs import OPERATOR_ONLY
+
+            for env_id, rules in self.client_env_kwargs.items():
+                if OPERATOR_ONLY & set(rules):  # where model code runs is never a client's choice
+                    raise ValueError(
+                        f"clients cannot set {sorted(OPERATOR_ONLY)} of {env_id}: the operator's"
+                    )
 
 
 def load_token(token_file: str | Path | None = None) -> str | None:

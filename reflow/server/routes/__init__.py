@@ -20,7 +20,7 @@ _DESCRIPTIONS = {
     410: "the session was closed (deleted, idle, past its deadline, shut down)",
     413: "request body too large",
     422: "invalid request: a body or path that does not match this document (on create also: a task the "
-    "env rejects)",
+    "env rejects, or a client env kwarg outside the values the server allows)",
     429: "at capacity: retry after the Retry-After header's seconds",
     500: "the env failed to start",
     503: "the server is shutting down (retry after Retry-After seconds), or the env's infrastructure failed",
