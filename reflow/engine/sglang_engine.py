@@ -156,7 +156,9 @@ class SGLangEngine:
         self.client = httpx.AsyncClient(timeout=timeout_s, headers=headers, transport=transport)
         self._version = version
         self._updating = asyncio.Lock()  # one weight update at a time, so versions never go back
-        self._updates_begun = 0  # a request aborted while this moved was aborted by an update
+        # Moves once the servers have answered an update, so after they aborted what was in flight: a
+        # request aborted while it moved (waiting out an update under way) was aborted by an update.
+        self._updates_done = 0
         self._user_aborted: set[str] = set()
         self._parts: dict[str, str] = {}  # request id -> the server rid of its current part
 
@@ -233,7 +235,7 @@ class SGLangEngine:
         try:
             while True:
                 remaining = params.max_new_tokens - len(out_ids)
-                updates_before, version_before = self._updates_begun, self._version
+                updates_before, version_before = self._updates_done, self._version
                 part_rid = rid if part is None else f"{rid}.{len(out_ids)}"  # unique per part
                 self._parts[rid] = part_rid
                 body = await self._generate_part(
@@ -243,15 +245,14 @@ class SGLangEngine:
                 out_ids += part.output_ids
                 logprobs += part.logprobs
                 versions += [part.weight_version] * len(part.output_ids)
-                split = (
-                    part.finish_reason == "abort"
-                    and self._updates_begun != updates_before
-                    and rid not in self._user_aborted
-                )
+                split = part.finish_reason == "abort" and rid not in self._user_aborted
+                if split:
+                    # The servers abort before they load: the update that cut this part may still be
+                    # under way. Once it is in, the count says whether one came since the part was sent.
+                    async with self._updating:
+                        split = self._updates_done != updates_before
                 if not split or len(out_ids) >= params.max_new_tokens:
                     break
-                async with self._updating:  # resubmit once the update is in
-                    pass
                 reprefill += len(input_ids) + len(out_ids)
         finally:
             self._parts.pop(rid, None)
@@ -308,24 +309,31 @@ class SGLangEngine:
         if (state_dict is None) == (path is None):
             raise ValueError("update_weights needs exactly one of a state_dict or a path")
         async with self._updating:
-            self._updates_begun += 1
             new_version = self._version + 1 if version is None else int(version)
             if new_version < self._version and not rewind:
                 raise ValueError(
                     f"weight version {new_version} is older than the engine's ({self._version}): refused "
                     "(pass rewind=True to load older weights on purpose)"
                 )
-            if path is not None:
-                results = await self._all(
-                    "/update_weights_from_disk", update_from_disk_payload(path, new_version)
-                )
-            else:
-                from sglang.srt.utils import MultiprocessingSerializer  # only where sglang is installed
+            try:
+                if path is not None:
+                    results = await self._all(
+                        "/update_weights_from_disk", update_from_disk_payload(path, new_version)
+                    )
+                else:
+                    from sglang.srt.utils import MultiprocessingSerializer  # only where sglang is installed
 
-                serialized = MultiprocessingSerializer.serialize(list(state_dict.items()), output_str=True)
-                results = await self._all(
-                    "/update_weights_from_tensor", update_from_tensor_payload([serialized], new_version)
-                )
+                    serialized = MultiprocessingSerializer.serialize(
+                        list(state_dict.items()), output_str=True
+                    )
+                    results = await self._all(
+                        "/update_weights_from_tensor", update_from_tensor_payload([serialized], new_version)
+                    )
+            finally:
+                # Counted only now that the servers have aborted their requests, and even when the
+                # update failed (they may have aborted them anyway): every request aborted in between
+                # sees the count move and is resubmitted, on whatever weights the servers then hold.
+                self._updates_done += 1
             failed = [r for r in results if isinstance(r, dict) and r.get("success") is False]
             if failed:
                 raise EngineError(f"SGLang weight update failed: {failed[0].get('message')}")

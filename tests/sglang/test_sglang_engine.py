@@ -246,6 +246,23 @@ async def test_a_rollout_worker_drives_sglang_servers_and_hands_them_each_policy
     await worker.close()
 
 
+def _part_answer(body: dict, aborted: bool, version: str) -> httpx.Response:
+    """`/generate`'s answer: aborted after two tokens of version 0, or the whole budget at `version`."""
+    if aborted:
+        ids, finish, version = [11, 12], {"type": "abort", "message": "aborted"}, "0"
+    else:
+        n = body["sampling_params"]["max_new_tokens"]
+        ids, finish = list(range(20, 20 + n)), {"type": "length", "length": n}
+    meta = {
+        "id": body["rid"],
+        "finish_reason": finish,
+        "prompt_tokens": len(body["input_ids"]),
+        "weight_version": version,
+        "output_token_logprobs": [[-0.25, t, None] for t in ids],
+    }
+    return httpx.Response(200, json={"output_ids": ids, "meta_info": meta})
+
+
 def _split_transport(log: list, state: dict) -> httpx.MockTransport:
     """A server whose first /generate runs until a weight update aborts it (SGLang's
     `abort_all_requests`), answering then with the tokens sampled so far; later requests finish."""
@@ -258,19 +275,7 @@ def _split_transport(log: list, state: dict) -> httpx.MockTransport:
             first = sum(p == "/generate" for p, _ in log) == 1
             if first:
                 await state["aborted"].wait()
-            if first or body["rid"] in state["user_aborted"]:
-                ids, finish, version = [11, 12], {"type": "abort", "message": "aborted"}, "0"
-            else:
-                n = body["sampling_params"]["max_new_tokens"]
-                ids, finish, version = list(range(20, 20 + n)), {"type": "length", "length": n}, state["v"]
-            meta = {
-                "id": body["rid"],
-                "finish_reason": finish,
-                "prompt_tokens": len(body["input_ids"]),
-                "weight_version": version,
-                "output_token_logprobs": [[-0.25, t, None] for t in ids],
-            }
-            return httpx.Response(200, json={"output_ids": ids, "meta_info": meta})
+            return _part_answer(body, first or body["rid"] in state["user_aborted"], state["v"])
         if path == "/abort_request":
             state["user_aborted"].add(check_struct(io().AbortReq, body).rid)
             state["aborted"].set()
@@ -316,3 +321,89 @@ async def test_a_request_the_caller_aborts_is_not_resubmitted():
     assert "token_versions" not in result.meta
     assert sum(path == "/generate" for path, _ in log) == 1
     await engine.close()
+
+
+def _held_update_transport(log: list, state: dict) -> httpx.MockTransport:
+    """A server that holds a weight update (`state["release"]`) and, when released, aborts the request
+    in flight first (as SGLang does with `abort_all_requests`) and answers the update only after that
+    request's aborted answer has gone back; later requests finish on the new weights."""
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        path, body = request.url.path, json.loads(request.content or b"{}")
+        log.append((path, body))
+        if path == "/generate":
+            check_generate(body)
+            first = sum(p == "/generate" for p, _ in log) == 1
+            if first:
+                state["generating"].set()
+                await state["abort_in_flight"].wait()
+                state["aborted_answer"].set()
+            return _part_answer(body, first, state["v"])
+        obj = check_struct(io().UpdateWeightFromDiskReqInput, body)
+        state["updating"].set()
+        await state["release"].wait()
+        state["abort_in_flight"].set()
+        await state["aborted_answer"].wait()
+        state["v"] = obj.weight_version
+        return httpx.Response(200, json={"success": True, "message": "ok", "num_paused_requests": 1})
+
+    return httpx.MockTransport(handler)
+
+
+def _held_state() -> dict:
+    import asyncio
+
+    events = ("updating", "release", "generating", "abort_in_flight", "aborted_answer")
+    return {"v": "0", **{name: asyncio.Event() for name in events}}
+
+
+async def test_a_request_sent_while_an_update_is_held_and_then_aborted_by_it_is_resubmitted():
+    """The window between an update reaching the servers and their abort of what is in flight: a
+    request sent then and aborted by that update is split and resubmitted, not ended as an abort (the
+    update used to be counted before the servers aborted, so such a request looked user-aborted)."""
+    import asyncio
+
+    log, state = [], _held_state()
+    engine = SGLangEngine(["http://gpu-a:30000"], transport=_held_update_transport(log, state))
+    update = asyncio.create_task(engine.update_weights(path="/ckpt/v1", version=1))
+    await state["updating"].wait()  # the update is at the server, held
+    task = asyncio.create_task(engine.generate([1, 2, 3], SamplingParams(max_new_tokens=5), "req"))
+    await state["generating"].wait()  # sent in the window
+    state["release"].set()
+    result = await task
+    assert await update == 1
+    assert result.output_ids == [11, 12, 20, 21, 22] and result.finish_reason == "length"
+    assert result.meta["token_versions"] == [0, 0, 1, 1, 1] and result.weight_version == 1
+    second = [body for path, body in log if path == "/generate"][1]
+    assert second["input_ids"] == [1, 2, 3, 11, 12] and second["sampling_params"]["max_new_tokens"] == 3
+    await engine.close()
+
+
+async def test_an_episode_whose_request_an_update_aborts_in_that_window_completes(tmp_path):
+    """The same race under a rollout worker's episode: the episode ends as it would without the update
+    (out of turn budget on the mock's tokens), not as an infra error."""
+    import asyncio
+
+    from reflow.config import load_config
+    from reflow.models import build_tiny
+    from reflow.sched.workers import RolloutWorker
+
+    model_dir = str(
+        build_tiny(tmp_path / "model", num_hidden_layers=1, hidden_size=64, intermediate_size=128)
+    )
+    overrides = ["env.id=reflow/Calc-v0", "engine.kind=sglang", "engine.urls=[http://gpu-a:30000]"]
+    config = load_config(None, [*overrides, f"out_dir={tmp_path / 'runs'}", "eval.max_new_tokens=4"])
+    worker = RolloutWorker(config, model_dir, replay=None)
+    log, state = [], _held_state()
+    await worker.engine.client.aclose()
+    worker.engine.client = httpx.AsyncClient(transport=_held_update_transport(log, state))
+    update = asyncio.create_task(worker.engine.update_weights(path="/ckpt/v1", version=1))
+    await state["updating"].wait()
+    episode = asyncio.create_task(worker.evaluate(episodes=1, seed=0))
+    await state["generating"].wait()
+    state["release"].set()
+    summary = await episode
+    assert await update == 1
+    assert sum(summary["statuses"].values()) == 1 and "infra_error" not in summary["statuses"]
+    assert sum(path == "/generate" for path, _ in log) >= 2  # the aborted request went again
+    await worker.close()
