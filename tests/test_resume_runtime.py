@@ -69,3 +69,57 @@ def test_a_resumed_run_moves_a_slot_and_pushes_weights_after_its_checkpoint_is_r
         assert played.policy_version == 1
     finally:
         pool.shutdown()
+
+
+def test_a_resume_restores_the_scheduler(tmp_path, ray_env):
+    """The adaptive state a checkpoint saved comes back on resume: the slot layout, the replay share
+    and its history, the group durations, the engines' concurrency limits and the elastic pool's
+    measured costs (edited in the checkpoint here, so a run that started afresh could not match)."""
+    import json
+
+    from rich.console import Console
+
+    from reflow.recipes.agent_train import train
+    from reflow.train.checkpoint import STATE_FILE, latest_checkpoint
+
+    overrides = [
+        *BASE,
+        f"out_dir={tmp_path}",
+        "run_name=r",
+        "mode=reflow",
+        "resources.slots=[rollout, train]",
+    ]
+    overrides += ["train.checkpoint_every=1", "eval.episodes=0", "eval.pass_at=0"]
+    train(load_config(None, [*overrides, "train.steps=3"]), console=Console(quiet=True))
+    run_dir = tmp_path / "r"
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    state = json.loads((ckpt / STATE_FILE).read_text())
+    saved = state["extra"]["run_state"]["scheduler"]
+    assert saved["roles"] == ["rollout", "train"] and len(saved["durations"]["group_s"]) >= 6
+    assert [s for s, _ in saved["replay_share"]["history"]] == [1, 2, 3]
+    saved["roles"] = ["train", "rollout"]  # as if the elastic pool had swapped them
+    saved["replay_share"] = {"share": 0.4, "history": [[1, 0.3], [2, 0.35], [3, 0.4]]}
+    saved["tail"] = {"limits": {"w1": 3}}  # the rollout slot is now slot 1
+    cost = {"actor_start_s": 1.5, "weight_load_s": 0.5, "group_reform_s": 0.25}
+    saved["elastic"] = {
+        "costs": {"to_rollout": cost, "to_train": None},
+        "last_change_step": 2,
+        "last_move_version": 2,
+    }
+    (ckpt / STATE_FILE).write_text(json.dumps(state))
+
+    train(load_config(None, [*overrides, "train.steps=5"]), resume=True, console=Console(quiet=True))
+    after = json.loads((latest_checkpoint(run_dir / "checkpoints") / STATE_FILE).read_text())
+    restored = after["extra"]["run_state"]["scheduler"]
+    assert restored["roles"] == ["train", "rollout"]
+    history = restored["replay_share"]["history"]
+    assert history[:3] == [[1, 0.3], [2, 0.35], [3, 0.4]] and [s for s, _ in history[3:]] == [4, 5]
+    assert abs(history[3][1] - 0.4) <= 0.05 + 1e-9  # one share_step at most from the saved share
+    assert len(restored["durations"]["group_s"]) > len(saved["durations"]["group_s"])
+    assert restored["elastic"]["costs"]["to_rollout"] == cost  # no move since: the measured cost stays
+    assert restored["elastic"]["last_change_step"] == 2
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any(
+        e["kind"] == "tail" and e.get("why") == "restored from the checkpoint" and e.get("limit") == 3
+        for e in events
+    )

@@ -19,7 +19,13 @@ import ray
 from rich.console import Console
 
 from reflow.config import RunConfig, dump_config
-from reflow.recipes.checkpoints import checkpoint, leftover_groups, rewind_replay, start_lineage
+from reflow.recipes.checkpoints import (
+    checkpoint,
+    leftover_groups,
+    resumed_config,
+    rewind_replay,
+    start_lineage,
+)
 from reflow.recipes.evaluation import eval_due, evaluate, evaluate_snapshots, measure_headroom
 from reflow.recipes.run_log import RunLog, plot_run, run_summary, step_record, summary_table
 from reflow.recipes.run_state import (
@@ -44,6 +50,8 @@ def train(config: RunConfig, *, resume: bool = False, console: Console | None = 
     log = RunLog(run_dir, console)
     start_ray(config)
     model_path, state, ckpt = prepare_model(config, run_dir, log, resume=resume)
+    if ckpt is not None:  # the slot layout the elastic pool had reached
+        config = resumed_config(config, ckpt)
     pool = ResourcePool(config, model_path, run_dir)
     try:
         if ckpt is not None:

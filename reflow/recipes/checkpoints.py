@@ -5,6 +5,7 @@ and how a resumed run brings the replay store back to it (consumptions undone, l
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 
 import ray
 
@@ -65,3 +66,17 @@ def start_lineage(pool: ResourcePool, state: RunState, *, resumed_from: bool | N
     state.lineage = ray.get(pool.replay.start_lineage.remote(state.version, parent))
     ray.get(pool.replay.quarantine.remote())
     state.groups_quarantined = len(ray.get(pool.replay.quarantined.remote()))
+
+
+def resumed_config(config: RunConfig, ckpt: Path) -> RunConfig:
+    """`config` with the slot layout the run had at checkpoint `ckpt` (the elastic pool may have moved
+    slots between roles), so the resumed pool starts as the run left off; a checkpoint without one
+    (sync mode, or older) keeps the configured layout."""
+    from reflow.train.checkpoint import read_state
+
+    roles = read_state(ckpt).get("extra", {}).get("run_state", {}).get("scheduler", {}).get("roles")
+    if not roles or len(roles) != len(config.resources.slots) or roles == config.resources.slots:
+        return config
+    resumed = config.model_copy(deep=True)
+    resumed.resources.slots = roles
+    return resumed

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,7 @@ import ray
 from reflow.config import RunConfig
 from reflow.recipes.checkpoints import checkpoint
 from reflow.recipes.evaluation import eval_due, evaluate
-from reflow.recipes.loop_sched import ElasticDriver, GroupInFlight, TailGate, moved_positions
+from reflow.recipes.loop_sched import QUANTILE_WINDOW, ElasticDriver, GroupInFlight, TailGate, moved_positions
 from reflow.recipes.run_log import RunLog, step_record
 from reflow.recipes.run_state import Clock, RunState, next_seeds, out_of_time
 from reflow.recipes.weight_sync import WeightPusher
@@ -90,6 +91,12 @@ class Arrivals:
     episode_seconds: list[float] = field(default_factory=list)
     episodes: int = 0
 
+    def add_durations(self, group_s: list[float], episode_s: list[float]) -> None:
+        """Durations measured before a resume (no group arrives with them)."""
+        self.seconds += group_s
+        self.episode_seconds += episode_s
+        self._seconds_sum += sum(group_s)
+
     def add(self, new: list[GroupReport]) -> None:
         self.reports += new
         self.accepted += sum(r.has_spread for r in new)
@@ -139,6 +146,11 @@ def decoupled_loop(pool: ResourcePool, config: RunConfig, log: RunLog, state: Ru
     busy_before = state.rollout_busy_s
     uses = ray.get(pool.replay.reuse_histogram.remote(spread=True))  # groups with spread, by uses
     got = Arrivals(accepted=sum(uses.values()))
+    _log_events(log, state, "tail", _restore(state.scheduler, share, elastic, tail, got))
+
+    def saved() -> dict[str, Any]:  # what a checkpoint keeps of the adaptive parts
+        return _scheduler_state(pool, share, elastic, tail, got)
+
     trained = {state.version: got.accepted - uses.get(0, 0)}  # version -> fresh groups trained by then
     step: StepInFlight | None = None
     waiting_since = time.monotonic()
@@ -184,7 +196,7 @@ def decoupled_loop(pool: ResourcePool, config: RunConfig, log: RunLog, state: Ru
         weights.collect(ready)  # sync weights: record confirmed versions, start due pushes
         for ref in ready:
             if step is not None and ref == step.refs[0]:
-                _finish_step(pool, config, log, state, clock, step, got.reports, share, weights)
+                _finish_step(pool, config, log, state, clock, step, got.reports, share, weights, saved)
                 trained[state.version] = trained[state.version - 1] + step.fresh
                 got.reports, waiting_since = [], time.monotonic()
                 if elastic is not None:  # elastic pool: a slot may change role at this version boundary
@@ -312,9 +324,10 @@ def _finish_step(
     reports: list[GroupReport],
     share: ReplayShare | None,
     weights: WeightPusher,
+    scheduler: Callable[[], dict[str, Any]],
 ) -> None:
-    """The step is trained: version up, its weights on their way to the engines, log, checkpoint and
-    evaluate."""
+    """The step is trained: version up, its weights on their way to the engines, log, checkpoint (with
+    the `scheduler` state) and evaluate."""
     metrics = ray.get(step.refs)[0]
     train_s = time.monotonic() - step.started
     state.trainer_busy_s += train_s
@@ -342,8 +355,51 @@ def _finish_step(
     )
     log.step({**record, **plan.metrics})
     if state.step % config.train.checkpoint_every == 0 or state.step == config.train.steps:
+        state.scheduler = scheduler()
         checkpoint(pool, config, state)
     if eval_due(config, state):
         if not config.eval.deferred:  # a live evaluation plays on engine 0: it must have these weights
             weights.wait_all()
         evaluate(pool, config, log, state, clock)
+
+
+def _scheduler_state(
+    pool: ResourcePool,
+    share: ReplayShare | None,
+    elastic: ElasticDriver | None,
+    tail: TailGate,
+    got: Arrivals,
+) -> dict[str, Any]:
+    """The adaptive state a checkpoint saves (`RunState.scheduler`)."""
+    return {
+        "replay_share": share.state_dict() if share else None,
+        "durations": {
+            "group_s": got.seconds[-QUANTILE_WINDOW:],
+            "episode_s": got.episode_seconds[-QUANTILE_WINDOW * 8 :],
+        },
+        "tail": tail.state_dict(),
+        "elastic": elastic.state_dict() if elastic else None,
+        "roles": pool.roles(),
+    }
+
+
+def _restore(
+    saved: dict[str, Any],
+    share: ReplayShare | None,
+    elastic: ElasticDriver | None,
+    tail: TailGate,
+    got: Arrivals,
+) -> list[dict[str, Any]]:
+    """A resume: the saved adaptive state back into the loop's parts (the layout was restored when the
+    pool started, `checkpoints.resumed_config`); the tail's events of the limits set."""
+    if not saved:
+        return []
+    if share is not None and saved.get("replay_share"):
+        share.load_state_dict(saved["replay_share"])
+    if elastic is not None and saved.get("elastic"):
+        elastic.load_state_dict(saved["elastic"])
+    durations = saved.get("durations", {})
+    got.add_durations(durations.get("group_s", []), durations.get("episode_s", []))
+    if got.seconds:
+        tail.observe(got.seconds, got.episode_seconds)
+    return tail.load_state_dict(saved.get("tail", {}))

@@ -26,11 +26,11 @@ Every decision that changes is a metrics event (what, why, the numbers).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from reflow.config import RunConfig
-from reflow.sched.elastic import ElasticPolicy
+from reflow.sched.elastic import ElasticPolicy, RoleChangeCost
 from reflow.sched.elastic_runtime import ElasticRuntime, Interval, Totals
 from reflow.sched.role_change import RoleChange
 from reflow.sched.tail import (
@@ -89,6 +89,23 @@ class ElasticDriver:
 
     def stepped(self, groups: int) -> None:
         self.trained += groups * self.group_size
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume restores (saved with checkpoints): the measured cost of each direction, the
+        step of the last change (the dwell time) and the policy's last move. The slot layout is the
+        pool's (`ResourcePool.roles`), restored when the pool starts."""
+        rt, policy = self.runtime, self.runtime.policy
+        return {
+            "costs": {k: asdict(c) if c is not None else None for k, c in rt.costs.items()},
+            "last_change_step": rt.last_change_step,
+            "last_move_version": policy.last_move_version,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        rt = self.runtime
+        rt.costs = {k: RoleChangeCost(**c) if c is not None else None for k, c in state["costs"].items()}
+        rt.last_change_step = int(state["last_change_step"])
+        rt.policy.last_move_version = state["last_move_version"]
 
     def at_boundary(
         self,
@@ -176,6 +193,25 @@ class TailGate:
         self._episode_quantiles: Quantiles | None = None
         self.observed = 0
         """How many durations the quantiles were computed from."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume restores (saved with checkpoints): each engine's concurrency limit, by engine
+        name (slot index: the layout is restored too). The durations behind the quantiles are the
+        loop's (`Arrivals`); the measured concurrency curves are measured again."""
+        rt = self.runtime
+        return {"limits": {e: rt.engine_limit(e) for e in rt.engine_ids()} if rt is not None else {}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Apply the saved limits to the engines that have one; the events of the limits set."""
+        events: list[dict[str, Any]] = []
+        if self.runtime is None:
+            return events
+        for engine, limit in state.get("limits", {}).items():
+            if engine in self.runtime.engine_ids():
+                action = SetConcurrency(engine, int(limit), "restored from the checkpoint")
+                events.append({"what": "set_concurrency", "why": action.reason, "engine": engine,
+                               **self.runtime.set_concurrency(action)})  # fmt: skip
+        return events
 
     def wake_s(self, in_flight: int) -> float | None:
         """How long the loop may wait for an event before the next look (None: until one comes)."""
