@@ -167,3 +167,59 @@ def test_reflow_keeps_fresh_groups_within_the_documented_bound(tmp_path, countin
         assert max(out["fresh"]) <= bound and max(out["ahead"]) <= (eta + 1) * B
     else:
         assert max(out["fresh"]) > bound + 1  # the old count: the bound did not hold
+
+
+# ---- a step the trainer did not take
+
+
+def test_a_step_with_no_sampled_token_keeps_the_version_and_pushes_nothing(tmp_path, monkeypatch):
+    """The real trainer, given rows with no sampled token, changes nothing and says so (`updates` 0,
+    every health metric present); the decoupled loop's step end then leaves step and version where the
+    trainer's are, pushes no weights and counts the step as not taken."""
+    import ray
+    from engine_helpers import build_tiny_engine_model
+    from rich.console import Console
+
+    from reflow.config import load_config
+    from reflow.recipes import decoupled
+    from reflow.recipes.run_log import RunLog, read_metrics
+    from reflow.recipes.run_state import Clock, RunState
+    from reflow.records import Segment
+    from reflow.replay.cycle import ReplayShare
+    from reflow.sched.replay_service import PlannedBatch
+    from reflow.train.trainer import PolicyTrainer, TrainRow
+
+    _, model, _ = build_tiny_engine_model(tmp_path / "model")
+    trainer = PolicyTrainer(model, 0)
+    prompt_only = Segment(0)
+    prompt_only.extend_prompt([5, 6, 7])
+    metrics = trainer.train_step([TrainRow(prompt_only, 1.0)], step=4)
+    assert metrics["updates"] == 0 and trainer.version == 0
+    assert {"masked_frac", "kl_behav", "is_ess"} <= set(metrics)
+
+    class Pushes:
+        confirmed, published = 3, []
+
+        def publish(self, version):
+            self.published.append(version)
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=1, include_dashboard=False)
+    try:
+        config = load_config(
+            None, ["env.id=reflow/Calc-v0", "mode=reflow", f"out_dir={tmp_path}", "run_name=r"]
+        )
+        state = RunState(step=3, version=3)
+        log = RunLog(tmp_path / "r", Console(quiet=True))
+        plan = PlannedBatch(["a", "b"], [0, 1], {"batch_fresh": 2})
+        step = decoupled.StepInFlight([ray.put(metrics)], plan, 0.0, 0.0)
+        share = ReplayShare(decoupled.cycle_config(config))
+        pool = type("Pool", (), {"rollout": [None]})()
+        weights = Pushes()
+        decoupled._finish_step(pool, config, log, state, Clock(state), step, [], share, weights, dict)
+        log.close()
+    finally:
+        ray.shutdown()
+    assert (state.step, state.version, state.steps_no_signal) == (3, 3, 1)
+    assert weights.published == [] and share.history == []
+    assert read_metrics(tmp_path / "r", "no_signal")[-1]["groups"] == 2

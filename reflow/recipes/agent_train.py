@@ -35,6 +35,8 @@ from reflow.recipes.run_state import (
     observe_tasks,
     out_of_time,
     spread_round_size,
+    steps_left,
+    took_step,
 )
 from reflow.recipes.warm_phase import prepare_model
 from reflow.recipes.weight_sync import sync_weights
@@ -108,7 +110,7 @@ def sync_loop(
     taken, weights and version stay, and it counts as `steps_no_signal` (towards `train.steps`, so a
     policy that gets no signal any more cannot loop forever). No round starts that the time budget
     cannot fit, judged by the mean round so far."""
-    while state.step + state.steps_no_signal < config.train.steps:
+    while steps_left(state, config.train.steps):
         rounds = state.step + state.steps_no_signal
         if out_of_time(config.train.seconds, clock.now(), state.wall_s / rounds if rounds else 0.0):
             break
@@ -137,11 +139,15 @@ def sync_loop(
         ids = [g.group_id for g in groups]
         metrics = pool.train_step(ids, state.step + 1)
         t2 = time.monotonic()
-        state.step, state.version = state.step + 1, state.version + 1
+        state.trainer_busy_s += t2 - t1
+        if not took_step(state, metrics):  # no sampled token: nothing trained, weights and version stay
+            ray.get(pool.replay.mark_consumed.remote([*ids, *retired], state.step + 1))
+            clock.tick()
+            log.write("no_signal", {"step": state.step, "groups": len(ids), "sampled_tokens": 0})
+            continue
         sync_weights(pool, state.version)
         ray.get(pool.replay.mark_consumed.remote([*ids, *retired], state.step))
         t3 = time.monotonic()
-        state.trainer_busy_s += t2 - t1
         clock.tick()
         times = {"rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2}
         log.step(

@@ -38,7 +38,7 @@ from reflow.recipes.checkpoints import checkpoint
 from reflow.recipes.evaluation import eval_due, evaluate
 from reflow.recipes.loop_sched import QUANTILE_WINDOW, ElasticDriver, GroupInFlight, TailGate, moved_positions
 from reflow.recipes.run_log import RunLog, step_record
-from reflow.recipes.run_state import Clock, RunState, next_seeds, out_of_time
+from reflow.recipes.run_state import Clock, RunState, next_seeds, out_of_time, steps_left, took_step
 from reflow.recipes.weight_sync import WeightPusher
 from reflow.replay.cycle import AdmissionControl, ReplayShare
 from reflow.sched.pool import ResourcePool
@@ -156,7 +156,7 @@ def decoupled_loop(pool: ResourcePool, config: RunConfig, log: RunLog, state: Ru
     waiting_since = time.monotonic()
     while True:
         now, step_s = clock.now(), state.trainer_busy_s / state.step if state.step else 0.0
-        can_step = state.step < config.train.steps and not out_of_time(budget, now, step_s)
+        can_step = steps_left(state, config.train.steps) and not out_of_time(budget, now, step_s)
         # fresh groups waiting; below 0 for a moment when a step took a group stored before its
         # report reached the loop (that group still counts as in flight)
         fresh = max(0, got.accepted - trained[state.version] - (step.fresh if step else 0))
@@ -196,8 +196,9 @@ def decoupled_loop(pool: ResourcePool, config: RunConfig, log: RunLog, state: Ru
         weights.collect(ready)  # sync weights: record confirmed versions, start due pushes
         for ref in ready:
             if step is not None and ref == step.refs[0]:
+                before = state.version
                 _finish_step(pool, config, log, state, clock, step, got.reports, share, weights, saved)
-                trained[state.version] = trained[state.version - 1] + step.fresh
+                trained[state.version] = trained[before] + step.fresh
                 got.reports, waiting_since = [], time.monotonic()
                 if elastic is not None:  # elastic pool: a slot may change role at this version boundary
                     elastic.stepped(len(step.plan.group_ids))
@@ -331,7 +332,11 @@ def _finish_step(
     metrics = ray.get(step.refs)[0]
     train_s = time.monotonic() - step.started
     state.trainer_busy_s += train_s
-    state.step, state.version = state.step + 1, state.version + 1
+    if not took_step(state, metrics):  # no sampled token: nothing trained, weights and version stay
+        clock.tick()
+        groups = len(step.plan.group_ids)
+        log.write("no_signal", {"step": state.step, "groups": groups, "sampled_tokens": 0})
+        return
     sync_start = time.monotonic()
     weights.publish(state.version)  # not awaited: engines swap weights between decode steps
     extra = {

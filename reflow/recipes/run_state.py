@@ -42,7 +42,8 @@ class RunState:
     slots_counted_s: float = 0.0
     trainer_busy_s: float = 0.0
     steps_no_signal: int = 0
-    """Steps not taken: no group with reward spread (no gradient); weights and version stayed."""
+    """Steps not taken: no group with reward spread, or no sampled token in the batch (no gradient);
+    weights and version stayed."""
     staleness_hist: dict[str, int] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
     snapshots: list[dict[str, Any]] = field(default_factory=list)
@@ -135,6 +136,24 @@ def observe_tasks(
 def spread_round_size(want: int, missing: int, reports: list[GroupReport]) -> int:
     """How many groups to generate for `missing` groups with reward spread, from the spread rate so far."""
     return round_size(want, missing, sum(r.has_spread for r in reports), len(reports))
+
+
+def took_step(state: RunState, train_metrics: dict[str, Any]) -> bool:
+    """Count a train step in the run state, the one place both loops do it: step and version up. A
+    step with no sampled token on any rank (`updates` 0: the trainer changed neither its weights nor
+    its version) counts as `steps_no_signal` instead and leaves them, so the loop's version stays the
+    trainer's and no weights are pushed. Returns whether the step was taken."""
+    if not train_metrics["updates"]:
+        state.steps_no_signal += 1
+        return False
+    state.step, state.version = state.step + 1, state.version + 1
+    return True
+
+
+def steps_left(state: RunState, steps: int) -> bool:
+    """Whether the run may take another step: steps taken and not taken (no signal) count towards
+    `train.steps`, so a run that gets no signal any more cannot loop forever."""
+    return state.step + state.steps_no_signal < steps
 
 
 def out_of_time(budget_s: float | None, now_s: float, next_s: float = 0.0) -> bool:
