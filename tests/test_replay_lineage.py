@@ -96,3 +96,20 @@ def test_a_store_of_schema_2_opens_and_reads_token_versions(tmp_path):
         assert s.start_lineage(5, parent=0) == 1 and s.quarantine() == 0
     with closing(sqlite3.connect(path)) as db:
         assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+
+
+def test_a_dead_branch_keeps_what_it_made_before_its_first_update(store):
+    """Lineage 1 resumed from lineage 0's v3 and crashed before its next checkpoint; lineage 2 resumes
+    from the same v3. Lineage 1's v3 groups were made by the checkpoint's weights (an ancestor), its
+    v4 groups by weights that died."""
+    store.start_lineage(0, None)
+    for v in range(5):
+        add(store, f"a{v}", v)
+    store.start_lineage(3, parent=0)
+    store.quarantine()
+    add(store, "b3", 3)
+    add(store, "b4", 4)
+    store.start_lineage(3, parent=0)
+    assert store.quarantine() == 1
+    assert store.quarantined() == ["a4", "b4"]
+    assert ids(store.fresh()) == ["a0", "a1", "a2", "a3", "b3"]

@@ -330,34 +330,31 @@ class ReplayStore:
     def ancestors(self) -> list[tuple[int, int | None]]:
         """(lineage, newest version whose weights are an ancestor of the current ones; None: any), from
         the current lineage up its resume chain."""
+        return ancestors(self.lineage, self._links())
+
+    def quarantine(self) -> int:
+        """Mark every group not made by ancestors of the current lineage's weights as quarantined (a
+        newer version than the checkpoint in a lineage that crashed, or a dead branch; `made_by_ancestor`).
+        Returns how many groups this newly marked."""
+        links = self._links()
+        chain = dict(ancestors(self.lineage, links))
+        with self._write() as db:
+            rows = db.execute(
+                "SELECT seq, lineage, newest_version FROM groups WHERE run = ? AND quarantined = 0",
+                (self.run,),
+            ).fetchall()
+            dead = [
+                (seq,) for seq, lineage, newest in rows if not made_by_ancestor(lineage, newest, links, chain)
+            ]
+            db.executemany("UPDATE groups SET quarantined = 1 WHERE seq = ?", dead)
+        return len(dead)
+
+    def _links(self) -> dict[int, tuple[int | None, int]]:
         with self._lock:
             rows = self._db.execute(
                 "SELECT lineage, parent, fork_version FROM lineages WHERE run = ?", (self.run,)
             ).fetchall()
-        links = {lineage: (parent, fork) for lineage, parent, fork in rows}
-        out: list[tuple[int, int | None]] = []
-        lineage: int | None = self.lineage
-        bound: int | None = None
-        while lineage is not None and lineage not in {a for a, _ in out}:
-            out.append((lineage, bound))
-            parent, fork = links.get(lineage, (None, 0))
-            bound = fork if bound is None else min(bound, fork)
-            lineage = parent
-        return out
-
-    def quarantine(self) -> int:
-        """Mark every group not made by ancestors of the current lineage's weights (`ancestors`) as
-        quarantined: a newer version than the checkpoint in the lineage that crashed, or a dead
-        branch. Returns how many groups this newly marked."""
-        keep = " OR ".join(
-            f"(lineage = {int(lin)}" + ("" if bound is None else f" AND newest_version <= {int(bound)}") + ")"
-            for lin, bound in self.ancestors()
-        )
-        with self._write() as db:
-            return db.execute(
-                f"UPDATE groups SET quarantined = 1 WHERE run = ? AND quarantined = 0 AND NOT ({keep})",
-                (self.run,),
-            ).rowcount
+        return {lineage: (parent, fork) for lineage, parent, fork in rows}
 
     def quarantined(self) -> list[str]:
         """The ids of the quarantined groups, in arrival order."""
@@ -619,3 +616,38 @@ def _info(row: tuple) -> GroupInfo:
         gid, seq, version, spread, consumed, last_step, json.loads(meta), run, created, newest, lineage,
         bool(quarantined), n,
     )  # fmt: skip
+
+
+def ancestors(lineage: int, links: dict[int, tuple[int | None, int]]) -> list[tuple[int, int | None]]:
+    """(lineage, newest version whose weights are an ancestor of `lineage`'s current ones; None: any),
+    up the resume chain; `links`: lineage -> (parent, fork version). A lineage without a link is a root."""
+    out: list[tuple[int, int | None]] = []
+    at: int | None = lineage
+    bound: int | None = None
+    while at is not None and at not in {a for a, _ in out}:
+        out.append((at, bound))
+        parent, fork = links.get(at, (None, 0))
+        bound = fork if bound is None else min(bound, fork)
+        at = parent
+    return out
+
+
+def made_by_ancestor(
+    lineage: int, version: int, links: dict[int, tuple[int | None, int]], chain: dict[int, int | None]
+) -> bool:
+    """Whether the weights (`lineage`, `version`) are an ancestor of the current ones, `chain` being
+    `dict(ancestors(current, links))`. A lineage's versions up to its fork are its parent's weights
+    (it loaded them from the checkpoint): a dead branch's groups made before its first update are
+    as good as the checkpoint's."""
+    at: int | None = lineage
+    seen: set[int] = set()
+    while at is not None and at not in seen:
+        if at in chain:
+            bound = chain[at]
+            return bound is None or version <= bound
+        seen.add(at)
+        parent, fork = links.get(at, (None, 0))
+        if version > fork:
+            return False
+        at = parent
+    return False
