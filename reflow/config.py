@@ -193,7 +193,8 @@ class EvalSection(_Section):
     deferred: bool = Field(
         False,
         description="snapshot the weights at each evaluation point and evaluate after the run, so that "
-        "evaluation never competes with training (the mode benchmark uses this)",
+        "evaluation never competes with training (the mode benchmark uses this); always on in modes "
+        "async and reflow, whose rollout would go on generating during a live evaluation",
     )
 
     @model_validator(mode="after")

@@ -184,6 +184,12 @@ def test_async_and_reflow_modes_on_ray(tmp_path, ray_env, mode):
         assert 0.0 <= s["rollout_idle_ratio"] <= 1.0 and 0.0 <= s["trainer_idle_ratio"] <= 1.0
         assert s["groups_trained"] == 4
     assert set(summary["staleness_hist"]) <= {"0", "1", "2", "3", "4"}  # bounded by eta (+ stragglers)
+    # the same clock as sync: no live evaluation while rollout goes on; every point is a snapshot of
+    # the weights, evaluated after the run
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last_step = max(i for i, r in enumerate(records) if r["kind"] == "step")
+    evals = [(i, r["step"]) for i, r in enumerate(records) if r["kind"] == "eval"]
+    assert [step for _, step in evals] == [0, 2, 4, 6] and all(i > last_step for i, _ in evals)
 
     with ReplayStore(run_dir / "replay.sqlite", mode) as store:
         hist = store.reuse_histogram(spread=True)

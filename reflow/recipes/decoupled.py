@@ -362,9 +362,7 @@ def _finish_step(
     if state.step % config.train.checkpoint_every == 0 or state.step == config.train.steps:
         state.scheduler = scheduler()
         checkpoint(pool, config, state)
-    if eval_due(config, state):
-        if not config.eval.deferred:  # a live evaluation plays on engine 0: it must have these weights
-            weights.wait_all()
+    if eval_due(config, state):  # a snapshot: rollout goes on, so no live point (the same clock)
         evaluate(pool, config, log, state, clock)
 
 

@@ -1,6 +1,11 @@
 """Held-out evaluation during a run: live points, deferred weight snapshots evaluated after the run, the
 wall-clock or step schedule that says when, and the start/end RL-headroom measurement (`eval.pass_at`).
 Its time counts as evaluation (`RunState.eval_s`), not training.
+
+Every mode runs on the same clock. A live point stops the sync loop, whose rollout and training both
+wait, so its time is taken off the training clock; in the decoupled modes rollout would go on
+generating while the clock stood still, so there every point is a snapshot (`deferred`), whatever
+`eval.deferred` says, and its cost (a copy of the weights) stays on the training clock in every mode.
 """
 
 from __future__ import annotations
@@ -18,8 +23,13 @@ from reflow.sched.eval_schedule import EvalSchedule
 from reflow.sched.pool import ResourcePool
 
 
+def deferred(config: RunConfig) -> bool:
+    """Whether evaluation points are snapshots evaluated after the run (see the module docstring)."""
+    return config.eval.deferred or config.mode != "sync"
+
+
 def evaluate(pool: ResourcePool, config: RunConfig, log: RunLog, state: RunState, clock: Clock) -> None:
-    """Held-out success now (greedy, or sampled per `eval.temperature`), or (eval.deferred) a weight
+    """Held-out success now (greedy, or sampled per `eval.temperature`), or (`deferred`) a weight
     snapshot evaluated after the run."""
     if not config.eval.episodes:
         return
@@ -29,13 +39,13 @@ def evaluate(pool: ResourcePool, config: RunConfig, log: RunLog, state: RunState
         "wall_s": clock.tick(),
         "generated_tokens": state.generated_tokens,
     }
-    start = time.monotonic()
-    if config.eval.deferred:
+    if deferred(config):
         point["weights"] = pool.state_dict_ref()
         ray.wait([point["weights"]])
         state.snapshots.append(point)
-    else:
-        _evaluate_point(pool, config, log, state, point)
+        return
+    start = time.monotonic()
+    _evaluate_point(pool, config, log, state, point)
     state.eval_s += time.monotonic() - start
 
 
