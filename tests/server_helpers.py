@@ -3,7 +3,8 @@
 The child also registers the test envs of `fake_envs` (slow, crashy, echo) and serves them beside the
 built-in ones unless the arguments list the envs (`--env`), so failure paths can be driven through the
 real server. Where no sandbox works (no Docker engine or image, no bubblewrap) it passes
-`--allow-host-code`, so PyCode-v0 is served as a local run would play it.
+`--allow-host-code`, and where bubblewrap is the sandbox but gets no cgroup `--allow-uncapped-sandbox`,
+so PyCode-v0 is served as a local run would play it.
 """
 
 from __future__ import annotations
@@ -37,8 +38,7 @@ class ServerProcess:
         self.workdir, self.args, self.token = Path(workdir), list(args), token
         if envs is not None and "--env" not in args:
             self.args += [a for env_id in envs for a in ("--env", env_id)]
-        if _no_sandbox_here():
-            self.args.append("--allow-host-code")
+        self.args += _allowances_here()
         self.proc: subprocess.Popen[str] | None = None
         self.url = ""
         self.log_path = self.workdir / f"server-{os.getpid()}-{time.monotonic_ns()}.log"
@@ -117,10 +117,15 @@ class ServerProcess:
         self.stop()
 
 
-def _no_sandbox_here() -> bool:
+def _allowances_here() -> list[str]:
+    """The flags that let this machine's sandbox backend be served: none where Docker works."""
+    from reflow.sandbox.cgroup import cgroup_problem
     from reflow.sandbox.factory import best_backend
 
-    return best_backend() == "subprocess"
+    kind = best_backend()
+    if kind == "subprocess":
+        return ["--allow-host-code"]
+    return ["--allow-uncapped-sandbox"] if kind == "process" and cgroup_problem() is not None else []
 
 
 def remote_kwargs(server: ServerProcess, env_id: str, **kwargs) -> dict:

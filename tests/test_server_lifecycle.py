@@ -112,6 +112,7 @@ async def test_reaping_and_ending_release_the_sandbox(kind):
         reaper_interval_s=0.1,
         env_ids=["reflow/PyCode-v0"],
         env_kwargs={"reflow/PyCode-v0": {"sandbox": kind}},
+        allow_uncapped_sandbox=True,  # this test is about releasing sandboxes, wherever they run
     )
     with ThreadServer(settings) as server:
         pool = shared_pool(kind)  # the pool the server's PyCode envs draw from

@@ -1,5 +1,5 @@
 """Who and what the env server trusts, against a hostile client: it never runs model code on the host
-unless told to, with --no-auth it answers only loopback pages, clients set only the env kwargs the
+(nor in bubblewrap sandboxes no cgroup bounds) unless told to, with --no-auth it answers only loopback pages, clients set only the env kwargs the
 operator declared (and values in their ranges), it serves only the envs it lists, and its errors carry
 no server detail. Real servers on loopback."""
 
@@ -102,6 +102,52 @@ def test_with_allow_host_code_it_serves_and_logs_every_backend(tmp_path, monkeyp
     warning = next(line for line in logs.splitlines() if "WARNING" in line and "reflow/PyCode-v0" in line)
     assert "host" in warning, logs
     assert re.search(r"reflow/Calc-v0: runs no model code", logs), logs
+
+
+UNCAPPED = "no cgroup for the process sandbox (cgroup.procs: Permission denied)"
+
+
+def no_cgroup(monkeypatch) -> None:
+    """Bubblewrap is the backend, and no cgroup can be made for its sandboxes, as for a non-root user
+    on a host that delegates none."""
+    from reflow.sandbox import cgroup
+
+    monkeypatch.setenv("REFLOW_SANDBOX", "process")
+    monkeypatch.setattr(cgroup, "cgroup_problem", lambda: UNCAPPED)
+
+
+def test_serve_envs_refuses_bubblewrap_sandboxes_that_no_cgroup_bounds(monkeypatch, capsys):
+    import uvicorn
+
+    from reflow.server.cli import main
+
+    started = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: started.append(sockets))
+    no_cgroup(monkeypatch)
+    assert main(["--no-auth", "--port", "0", "--env", "reflow/Calc-v0", "--env", "reflow/PyCode-v0"]) == 1
+    out, err = capsys.readouterr()
+    assert not started and "listening" not in out, out
+    assert err.count("\n") == 1 and err.startswith("reflow: error: "), err
+    assert "reflow/PyCode-v0" in err and "reflow/Calc-v0" not in err, err
+    assert UNCAPPED in err and "--allow-uncapped-sandbox" in err, err
+
+
+async def test_uncapped_sandboxes_are_served_when_allowed_and_the_reason_logged(monkeypatch, caplog):
+    from reflow.server.app import build_catalog, create_app
+    from reflow.server.settings import ServerSettings
+
+    no_cgroup(monkeypatch)
+    with pytest.raises(Exception, match=r"reflow/PyCode-v0.*--allow-uncapped-sandbox"):
+        create_app(ServerSettings(no_auth=True, env_ids=["reflow/PyCode-v0"]))
+    allowed = ServerSettings(no_auth=True, env_ids=["reflow/PyCode-v0"], allow_uncapped_sandbox=True)
+    create_app(allowed)
+    with caplog.at_level("INFO", logger="reflow.server.app"):
+        assert [e["env_id"] for e in await build_catalog(["reflow/PyCode-v0"], allowed)] == [
+            "reflow/PyCode-v0"
+        ]
+    assert any(r.levelname == "WARNING" and UNCAPPED in r.getMessage() for r in caplog.records), caplog.text
+    monkeypatch.setattr("reflow.sandbox.cgroup.cgroup_problem", lambda: None)  # a cgroup per sandbox
+    create_app(ServerSettings(no_auth=True, env_ids=["reflow/PyCode-v0"]))
 
 
 def test_a_client_can_never_choose_the_sandbox(capsys):

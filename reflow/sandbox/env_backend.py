@@ -5,7 +5,9 @@ An env that runs model code takes a `sandbox` constructor kwarg, the convention 
 strongest that works here). `env_backend` resolves that kwarg as the env will, so the env server can
 refuse, and `agent-train` warn about, an env that would run model code on the host: "auto" becomes
 "subprocess" when neither Docker nor bubblewrap works, and nothing else would say so but the `sandbox`
-field of each observation's info.
+field of each observation's info. `uncapped_reason` says when an env's code would run in bubblewrap
+sandboxes with no cgroup (their processes and tmpfs charged to no memory or pids limit), which the
+server also refuses unless told otherwise.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from reflow.env.registration import spec_kwargs
 from reflow.sandbox.factory import resolve_kind
 
 HOST = "subprocess"
+PROCESS = "process"
+"""The bubblewrap sandbox: bounded by a cgroup only where one can be made (`cgroup_problem`)."""
 """The kind that is no sandbox: a host subprocess with rlimits, as the user running the process."""
 KWARG = "sandbox"
 FORCE_ENV_VAR = "REFLOW_SANDBOX"
@@ -65,6 +69,16 @@ def host_code_reason(env_id: str, kwargs: dict[str, Any] | None = None) -> str |
     if os.environ.get(FORCE_ENV_VAR, "").strip().lower() == HOST:
         return f"${FORCE_ENV_VAR}={HOST}"
     return "no sandbox works here: no Docker engine with the image (`reflow sandbox build`), no bubblewrap"
+
+
+def uncapped_reason(env_id: str, kwargs: dict[str, Any] | None = None) -> str | None:
+    """Why `env_id` would run model code in process sandboxes that no cgroup bounds; None when its
+    sandboxes are another kind or each gets its own cgroup."""
+    if env_backend(env_id, kwargs) != PROCESS:
+        return None
+    from reflow.sandbox import cgroup  # read at call time: the probe is cached there, once a process
+
+    return cgroup.cgroup_problem()
 
 
 def host_code_warning(env_id: str, kwargs: dict[str, Any] | None = None) -> str | None:

@@ -4,7 +4,8 @@ It owns what is the same for every route: the lifespan (the env catalog, each en
 logged, and the reaper on start; a graceful close of every session and sandbox pool on stop), the
 request-body limit, auth on everything but `/healthz` (the OpenAPI document included; without a token,
 loopback hosts and origins only), the refusal of an env that would run model code on the host (unless
-`allow_host_code`), and one error shape: every error answers
+`allow_host_code`) or in bubblewrap sandboxes with no cgroup (unless `allow_uncapped_sandbox`), and one
+error shape: every error answers
 `{error_kind, code, message}`. Env failures are `env`; infrastructure, capacity and timeouts `infra`;
 bad requests, validation and auth `agent`. A method a path does not take answers 405 with an `Allow`
 header naming those it does; `OPTIONS` answers 204 with the same header.
@@ -29,7 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from reflow.env import make
 from reflow.env.registration import spec_kwargs
-from reflow.sandbox.env_backend import HOST, env_backend, host_code_reason
+from reflow.sandbox.env_backend import HOST, PROCESS, env_backend, host_code_reason, uncapped_reason
 from reflow.server import openenv_ws
 from reflow.server.auth import OPEN_PATHS, SECURITY_SCHEME, LoopbackOnly, TokenGate
 from reflow.server.routes import capacity, envs, error_response, health, sessions, ws
@@ -81,26 +82,40 @@ class BodyLimit:
         return error_response(413, "agent", "body_too_large", self._message())
 
 
-class HostCodeRefused(ValueError):
-    """A served env would run model-written code on the host, and the settings do not allow it."""
+class BackendRefused(ValueError):
+    """A served env would run model-written code where the settings do not allow it: on the host, or in
+    sandboxes that no cgroup bounds."""
 
 
-def refuse_host_code(settings: ServerSettings) -> None:
-    """HostCodeRefused (one line, naming the envs and the flag) when a served env's sandbox resolved to
-    the host and `allow_host_code` is off. Every client's code would run as the server's user: it could
-    read the token, outlive its time limit, reach the network."""
-    if settings.allow_host_code:
-        return
-    host = []
+def _served_kinds(settings: ServerSettings) -> dict[str, str | None]:
+    kinds = {}
     for env_id in served_env_ids(settings):
         with contextlib.suppress(Exception):  # not registered or not importable: the catalog says so
-            if env_backend(env_id, settings.env_kwargs.get(env_id)) == HOST:
-                host.append(env_id)
-    if host:
+            kinds[env_id] = env_backend(env_id, settings.env_kwargs.get(env_id))
+    return kinds
+
+
+def refuse_backends(settings: ServerSettings) -> None:
+    """BackendRefused (one line, naming the envs, the reason and the flag) when a served env's sandbox
+    resolved to the host and `allow_host_code` is off (every client's code would run as the server's
+    user: it could read the token, outlive its time limit, reach the network), or to bubblewrap with no
+    cgroup to be had and `allow_uncapped_sandbox` off (a call's processes and tmpfs would be charged to
+    no limit: one client could pin the host's memory)."""
+    kinds = _served_kinds(settings)
+    host = [env_id for env_id, kind in kinds.items() if kind == HOST]
+    if host and not settings.allow_host_code:
         reason = host_code_reason(host[0], settings.env_kwargs.get(host[0]))
-        raise HostCodeRefused(
+        raise BackendRefused(
             f"{', '.join(host)} would run model-written code on this host, unsandboxed ({reason}); "
             "make a sandbox work here, or serve it anyway with --allow-host-code"
+        )
+    uncapped = [env_id for env_id, kind in kinds.items() if kind == PROCESS]
+    reason = uncapped_reason(uncapped[0], settings.env_kwargs.get(uncapped[0])) if uncapped else None
+    if reason is not None and not settings.allow_uncapped_sandbox:
+        raise BackendRefused(
+            f"{', '.join(uncapped)} would run model-written code in bubblewrap sandboxes with no memory or "
+            f"pids limit ({reason}); give the server a cgroup, use Docker, or serve it anyway with "
+            "--allow-uncapped-sandbox"
         )
 
 
@@ -110,6 +125,13 @@ def _log_backend(env_id: str, kwargs: dict[str, Any]) -> None:
         log.warning("%s: model code runs on this host, unsandboxed (--allow-host-code)", env_id)
     elif kind is None:
         log.info("%s: runs no model code", env_id)
+    elif (reason := uncapped_reason(env_id, kwargs)) is not None:
+        log.warning(
+            "%s: model code runs in %s sandboxes with no memory or pids limit (--allow-uncapped-sandbox): %s",
+            env_id,
+            kind,
+            reason,
+        )
     else:
         log.info("%s: model code runs in %s sandboxes", env_id, kind)
 
@@ -139,8 +161,8 @@ async def build_catalog(ids: list[str], settings: ServerSettings) -> list[dict[s
 
 
 def create_app(settings: ServerSettings) -> FastAPI:
-    """The app; serve it with uvicorn (`reflow serve-envs` does). HostCodeRefused: see `refuse_host_code`."""
-    refuse_host_code(settings)
+    """The app; serve it with uvicorn (`reflow serve-envs` does). BackendRefused: see `refuse_backends`."""
+    refuse_backends(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

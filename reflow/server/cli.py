@@ -88,6 +88,7 @@ def _settings(args: argparse.Namespace, token: str | None) -> ServerSettings:
         env_kwargs=_env_kwargs(args.env_kwargs),
         client_env_kwargs=_client_kwargs(args),
         allow_host_code=args.allow_host_code,
+        allow_uncapped_sandbox=args.allow_uncapped_sandbox,
     )
 
 
@@ -103,11 +104,11 @@ def cmd_serve_envs(args: argparse.Namespace) -> int:
             f"serve-envs needs the server extra (pip install 'reflow-rl[server]'): {e}"
         ) from None
 
-    from reflow.server.app import HostCodeRefused, refuse_host_code
+    from reflow.server.app import BackendRefused, refuse_backends
 
-    try:  # before the port opens: a server that would run clients' code on the host never starts
-        refuse_host_code(settings)
-    except HostCodeRefused as e:
+    try:  # before the port opens: a server that would run clients' code on the host (or unbounded) never starts
+        refuse_backends(settings)
+    except BackendRefused as e:
         raise CommandError(f"serve-envs: {e}") from None
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -151,8 +152,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "is one tenant: whoever holds it may step or delete any session whose id it knows; serve "
             "clients that must not reach each other from separate servers. An env that would run "
             "model-written code on this host (its sandbox resolved to subprocess: no Docker sandbox image, "
-            "no bubblewrap) is refused unless --allow-host-code is given. Binds to 127.0.0.1 unless --host "
-            "says otherwise."
+            "no bubblewrap) is refused unless --allow-host-code is given, and one whose sandbox is "
+            "bubblewrap with no cgroup to bound it unless --allow-uncapped-sandbox is. Binds to 127.0.0.1 "
+            "unless --host says otherwise."
         ),
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -208,6 +210,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--allow-host-code",
         action="store_true",
         help="serve an env even when its model-written code would run on this host, unsandboxed",
+    )
+    p.add_argument(
+        "--allow-uncapped-sandbox",
+        action="store_true",
+        help="serve an env even when its bubblewrap sandboxes get no cgroup (no memory or pids limit)",
     )
     p.add_argument("--ssl-certfile")
     p.add_argument("--ssl-keyfile")

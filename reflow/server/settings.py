@@ -1,5 +1,6 @@
 """The env server's settings: its limits, which envs it serves (and which kwargs clients set), whether
-model code may run on the host, its bearer token, and what counts as a loopback host."""
+model code may run on the host or in sandboxes no cgroup bounds, its bearer token, and what counts as a
+loopback host."""
 
 from __future__ import annotations
 
@@ -87,6 +88,10 @@ class ServerSettings:
     allow_host_code: bool = False
     """Serve an env that would run model-written code on the host (its sandbox resolved to "subprocess").
     Off: such an env is refused at start-up."""
+    allow_uncapped_sandbox: bool = False
+    """Serve an env whose code runs in bubblewrap sandboxes when no cgroup can be made for them here
+    (`reflow.sandbox.cgroup.cgroup_problem`): its processes and tmpfs then count against no memory or
+    pids limit. Off: such an env is refused at start-up."""
 
     def __post_init__(self) -> None:
         if self.token is None and not self.no_auth:
