@@ -12,7 +12,7 @@
 - The reaper closes sessions idle longer than `idle_timeout_s` or past their deadline.
 - Results are kept as JSON text, so a replayed answer costs no encoding.
 - A reset that fails answers a generic message and an error id; the cause (which may name host paths)
-  goes to the server's log under that id.
+  goes to the server's log under that id (`failures`).
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from reflow.env import AssistantTurn, Env, EnvError, InfraError, Observation, StepResult
+from reflow.env import AssistantTurn, Env, Observation, StepResult
 from reflow.server.client_kwargs import check_client_kwargs
 from reflow.server.envpool import EnvPool, close_env
+from reflow.server.failures import crashed_step, reset_error, timed_out_step
 from reflow.server.schemas import LIVE_STATES, ApiError, CreateSession, check_transition
 from reflow.server.settings import BUILTIN_ENVS, ServerSettings
 
@@ -169,31 +170,13 @@ class SessionManager:
             await self._release(s)
             if isinstance(e, asyncio.CancelledError):
                 raise
-            raise self._reset_error(e, req) from e
+            raise reset_error(e, req.env_id, req.task is not None) from e
         if s.state == "closed":  # deleted or shut down while the env was starting
             await self._release(s)
             raise self.closed_error(s.id, self.tombstones.get(s.id, "closed"))
         self._move(s, "ready")
         s.last_active = time.monotonic()
         return s, json_text(obs)
-
-    @staticmethod
-    def _reset_error(e: BaseException, req: CreateSession) -> ApiError:
-        """The client's answer: what kind of failure, and an id under which the log has its cause."""
-        error_id = secrets.token_hex(6)
-        log.warning(
-            "session of %s failed to start (error id %s): %s: %s", req.env_id, error_id, type(e).__name__, e
-        )
-        ref = f"(error id {error_id}; the server's log has the cause)"
-        if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
-            return ApiError(504, "infra", "deadline", f"the env did not start within its deadline {ref}")
-        if isinstance(e, (ValueError, TypeError)):  # a bad task or kwarg (ContainErrors says so)
-            return ApiError(422, "agent", "bad_task", f"the env rejected the task or its kwargs {ref}")
-        if isinstance(e, InfraError) or isinstance(e.__cause__, InfraError):
-            return ApiError(503, "infra", "env_infra", f"the env's infrastructure failed {ref}")
-        if isinstance(e, EnvError) and req.task is not None:  # most likely the task the client sent
-            return ApiError(422, "env", "reset_failed", f"the env failed on the given task {ref}")
-        return ApiError(500, "env", "reset_failed", f"the env failed to start {ref}")
 
     def _retry_after(self) -> dict[str, str]:
         return {"Retry-After": str(self.settings.retry_after_s)}
@@ -273,17 +256,14 @@ class SessionManager:
         step_timeout = self.settings.step_timeout_s
         left = s.deadline - time.monotonic()
         if left <= 0:
-            return _timeout(True, step_timeout)
+            return timed_out_step(True, step_timeout)
         try:
             return await asyncio.wait_for(env.step(turn), min(step_timeout, left))
         except asyncio.TimeoutError:
-            return _timeout(left <= step_timeout, step_timeout)
+            return timed_out_step(left <= step_timeout, step_timeout)
         except Exception as e:  # ContainErrors catches env errors; this is whatever got past it
             log.exception("step of session %s failed", s.id)
-            error = f"{type(e).__name__}: {e}"
-            return StepResult(
-                [], truncated=True, info={"status": "env_error", "termination": "env_error", "error": error}
-            )
+            return crashed_step(e)
 
     # ---- ending --------------------------------------------------------------------------------------
     def _remember_ended(self, s: Session) -> None:
@@ -390,12 +370,3 @@ class SessionManager:
             len(running) - len(pending),
             len(pending),
         )
-
-
-def _timeout(deadline: bool, step_timeout_s: float) -> StepResult:
-    error = "the session deadline passed" if deadline else f"the step took longer than {step_timeout_s:g}s"
-    return StepResult(
-        [],
-        truncated=True,
-        info={"status": "timeout", "termination": "deadline" if deadline else "step_timeout", "error": error},
-    )
