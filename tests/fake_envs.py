@@ -62,11 +62,14 @@ class EchoEnv(ToolEnv):
 
 
 class CrashyEnv(EchoEnv):
-    """Raises inside step on the turn named by the task (or on every turn with crash_on=0)."""
+    """Raises inside step on the turn named by the task (or on every turn with crash_on=0); with
+    `leak_path`, an error whose text names a file of this host, as a failed read of task data would."""
 
-    def __init__(self, tasks=None, crash_on: int = 2, crash_reset: bool = False) -> None:
+    def __init__(
+        self, tasks=None, crash_on: int = 2, crash_reset: bool = False, leak_path: bool = False
+    ) -> None:
         super().__init__(tasks)
-        self.crash_on, self.crash_reset, self.turn = crash_on, crash_reset, 0
+        self.crash_on, self.crash_reset, self.leak_path, self.turn = crash_on, crash_reset, leak_path, 0
 
     async def _reset(self, task: Task) -> Observation:
         if self.crash_reset == "infra":
@@ -80,6 +83,8 @@ class CrashyEnv(EchoEnv):
 
     async def step(self, turn: AssistantTurn) -> StepResult:
         self.turn += 1
+        if self.turn >= self.crash_on and self.leak_path:
+            raise FileNotFoundError(2, "No such file or directory", __file__ + ".missing")
         if self.turn >= self.crash_on:
             raise ZeroDivisionError("the env divided by zero")
         return await super().step(turn)

@@ -5,6 +5,8 @@ no server detail. Real servers on loopback."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 import subprocess
 import sys
@@ -28,6 +30,9 @@ KWARGS = (
     "--allow-client-kwarg", "test/Slow-v0:step_s=float:0..2",
     "--allow-client-kwarg", "test/Echo-v0:tasks=tasks",
     "--allow-client-kwarg", "test/Echo-v0:greeting=choice:hi,hello",
+    "--allow-client-kwarg", "test/Crashy-v0:crash_reset=bool",
+    "--allow-client-kwarg", "test/Crashy-v0:crash_on=int:1..3",
+    "--allow-client-kwarg", "test/Crashy-v0:leak_path=bool",
 )  # fmt: skip
 
 
@@ -291,6 +296,36 @@ def test_a_reset_error_names_an_error_id_not_the_cause(server):
     error_id = re.search(r"error id ([0-9a-f]{8,})", body["message"]).group(1)
     logged = [line for line in server.logs().splitlines() if error_id in line]
     assert any("database of tasks is gone" in line for line in logged), server.logs()
+
+
+async def test_a_step_error_names_an_error_id_not_the_cause(server):
+    import fake_envs
+
+    from reflow.env import parse_assistant
+
+    host_path = fake_envs.__file__  # the env's error names a file of the server's host
+    crashing = {"crash_reset": False, "crash_on": 1, "leak_path": True}
+    local = reflow.make("test/Crashy-v0", **crashing)
+    await local.reset(seed=0)
+    result = await local.step(parse_assistant("hi"))
+    assert host_path in result.info["error"]  # played locally, the user gets the text
+    await local.close()
+
+    body = {"env_id": "test/Crashy-v0", "seed": 0, "env_kwargs": crashing}
+    session_id = httpx.post(server.url + "/v1/sessions", json=body, timeout=30).json()["session_id"]
+    turn = {"turn_index": 0, "turn": dataclasses.asdict(parse_assistant("hi"))}
+    over_http = httpx.post(f"{server.url}/v1/sessions/{session_id}/step", json=turn, timeout=30).json()
+    remote = reflow.make("reflow/Remote-v0", url=server.url, env_id="test/Crashy-v0", env_kwargs=crashing)
+    await remote.reset(seed=0)
+    over_ws = await remote.step(parse_assistant("hi"))
+    await remote.close()
+    for info in (over_http["result"]["info"], over_ws.info):
+        assert info["status"] == "env_error" and info["termination"] == "env_error", info
+        text = json.dumps(info)
+        assert host_path not in text and "FileNotFoundError" not in text and "No such file" not in text, info
+        error_id = re.search(r"error id ([0-9a-f]{8,})", info["error"]).group(1)
+        logged = [line for line in server.logs().splitlines() if error_id in line]
+        assert any(host_path in line for line in logged), server.logs()
 
 
 # ---- the client ---------------------------------------------------------------------------------------

@@ -1,12 +1,16 @@
-"""What the env server tells a client when an env fails: a failed reset answers the kind of failure and
-an error id, never its cause (an exception's text can name host paths or sandbox internals), which goes
-to the server's log under the id instead; a step that crashed or timed out ends its episode with a
-result that says so.
+"""What the env server tells a client when an env fails: the kind of failure and an error id, never its
+cause. A reset or step error's text can name host paths, sandbox internals or the server's code (an
+exception's message, a traceback's frames); the cause goes to the server's log under the id instead.
+
+Locally the same errors keep their text (`ContainErrors` puts it in `info["error"]`): the user running
+the env is the one who needs it. Timeouts keep theirs: the server or a wrapper wrote them, from limits
+the client knows.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 
@@ -14,6 +18,9 @@ from reflow.env import EnvError, InfraError, StepResult
 from reflow.server.schemas import ApiError
 
 log = logging.getLogger(__name__)
+
+REDACTED_STATUSES = ("env_error", "infra_error")
+"""Step statuses whose `info["error"]` is replaced by an error id before it leaves the server."""
 
 
 def _error_id() -> str:
@@ -41,8 +48,23 @@ def reset_error(e: BaseException, env_id: str, task_given: bool) -> ApiError:
     return ApiError(500, "env", "reset_failed", f"the env failed to start {ref}")
 
 
+def redact_step(result: StepResult, session_id: str, env_id: str) -> StepResult:
+    """`result` with the text of an env or infrastructure error replaced by an error id (logged with
+    the text); any other result unchanged."""
+    status = result.info.get("status")
+    error = result.info.get("error")
+    if status not in REDACTED_STATUSES or error is None:
+        return result
+    error_id = _error_id()
+    log.warning(
+        "step of session %s (%s) ended %s (error id %s): %s", session_id, env_id, status, error_id, error
+    )
+    what = "the env's infrastructure failed" if status == "infra_error" else "the env failed"
+    return dataclasses.replace(result, info={**result.info, "error": f"{what} in this step {_ref(error_id)}"})
+
+
 def crashed_step(e: Exception) -> StepResult:
-    """The result of a step whose exception got past `ContainErrors`."""
+    """The result of a step whose exception got past `ContainErrors` (`redact_step` hides its text)."""
     error = f"{type(e).__name__}: {e}"
     return StepResult(
         [], truncated=True, info={"status": "env_error", "termination": "env_error", "error": error}

@@ -11,8 +11,8 @@
   pushed out by newer ones (`ended_kept`); a client need not delete a finished session.
 - The reaper closes sessions idle longer than `idle_timeout_s` or past their deadline.
 - Results are kept as JSON text, so a replayed answer costs no encoding.
-- A reset that fails answers a generic message and an error id; the cause (which may name host paths)
-  goes to the server's log under that id (`failures`).
+- A reset that fails, or a step that ends in an env or infrastructure error, answers a generic message
+  and an error id; the cause (which may name host paths) goes to the server's log (`failures`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 from reflow.env import AssistantTurn, Env, Observation, StepResult
 from reflow.server.client_kwargs import check_client_kwargs
 from reflow.server.envpool import EnvPool, close_env
-from reflow.server.failures import crashed_step, reset_error, timed_out_step
+from reflow.server.failures import crashed_step, redact_step, reset_error, timed_out_step
 from reflow.server.schemas import LIVE_STATES, ApiError, CreateSession, check_transition
 from reflow.server.settings import BUILTIN_ENVS, ServerSettings
 
@@ -222,7 +222,7 @@ class SessionManager:
         assert s.env is not None
         self.steps_in_flight += 1
         try:
-            result = await self._step_env(s, s.env, turn)
+            result = redact_step(await self._step_env(s, s.env, turn), s.id, s.env_id)
         except asyncio.CancelledError:  # a shutdown past its grace period
             if s.state == "closed":
                 await self._release(s)
