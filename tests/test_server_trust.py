@@ -328,6 +328,26 @@ async def test_a_step_error_names_an_error_id_not_the_cause(server):
         assert any(host_path in line for line in logged), server.logs()
 
 
+def test_the_readme_says_how_to_host_the_server_safely():
+    """Tenancy said plainly, and every flag that bounds the server or relaxes a refusal documented where
+    an operator looks before exposing it."""
+    import argparse
+    from pathlib import Path
+
+    from reflow.server.cli import add_parser
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("### Hosting the env server safely", 1)[1].split("\n## ", 1)[0]
+    assert "One token, one tenant" in section and "TLS" in section
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_parser(sub)
+    flags = [f for action in sub.choices["serve-envs"]._actions for f in action.option_strings]
+    guarding = [f for f in flags if f.startswith(("--allow-", "--max-", "--no-auth", "--ssl-"))]
+    guarding += [f for f in flags if f.endswith("-timeout") or "deadline" in f]
+    assert "--allow-uncapped-sandbox" in guarding
+    assert [f for f in guarding if not re.search(rf"`{re.escape(f)}[`\s]", section)] == []
+
+
 # ---- the client ---------------------------------------------------------------------------------------
 def test_the_client_warns_once_when_its_token_would_travel_in_the_clear(monkeypatch):
     from reflow.server import client
