@@ -14,6 +14,12 @@ turn) to the one replay actor as fast as it can; the driver plans batches of B g
   the actor serves up to `REPLAY_THREADS` calls at once (SQL under one lock, decoding outside it).
 
 Prints p50 / p99 latency in milliseconds per operation and the bytes the ranks received per step.
+
+Then the planner at scale (`--plan-window N`, 0 skips it): a store with N groups in the replay window
+(consumed once, with reward spread, within tau_max) and fewer fresh groups than a batch, the state of
+every loop wake-up while the trainer waits; `plan_and_consume` with a replay share is timed over
+repeated wake-ups. Planning reads index columns only, so its time grows with the window's index scan,
+not with the records.
 """
 
 from __future__ import annotations
@@ -124,6 +130,26 @@ def run(args: argparse.Namespace, shard: bool, threads: int, db: Path) -> dict[s
     return out
 
 
+def plan_scale(window: int, batch: int, wakeups: int, folder: Path) -> list[float]:
+    """Seconds of each `plan_and_consume` wake-up with `window` groups in the replay window."""
+    cfg = CycleConfig(tau_max=4, max_reuse=4, share_max=0.5)
+    service = ReplayService(str(folder / "plan.sqlite"), "bench", cfg)
+    rng = random.Random(0)
+    ids = []
+    for i in range(window + batch // 2):
+        service.add_group(*synthetic_group(f"g{i}", rng, tokens=4, episodes=2, turns=1))
+        ids.append(f"g{i}")
+    service.mark_consumed(ids[:window], 1)  # the window; the rest stay fresh (fewer than a batch)
+    times = []
+    for _ in range(wakeups):
+        start = time.perf_counter()
+        plan = service.plan_and_consume(batch, 4, 0.25, True, 99)  # a short batch: None, nothing consumed
+        times.append(time.perf_counter() - start)
+        assert plan is None
+    service.close()
+    return times
+
+
 def _ms(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -136,6 +162,7 @@ def main() -> None:
     p.add_argument("--groups", type=int, default=40, help="groups each writer adds")
     p.add_argument("--batch", type=int, default=8, help="groups per train step")
     p.add_argument("--tokens", type=int, default=64, help="sampled tokens per turn")
+    p.add_argument("--plan-window", type=int, default=10_000, help="groups in the replay window (0: skip)")
     args = p.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(
@@ -160,6 +187,13 @@ def main() -> None:
             f"| {_ms(r['read'], 0.5):.1f} / {_ms(r['read'], 0.99):.1f} | {per_step:.2f} |"
         )
     ray.shutdown()
+    if args.plan_window:
+        with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as tmp:
+            t = plan_scale(args.plan_window, args.batch, 50, Path(tmp))
+        print(
+            f"planning, {args.plan_window} groups in the replay window, batch {args.batch}, 50 wake-ups: "
+            f"p50 {_ms(t, 0.5):.1f} ms, p99 {_ms(t, 0.99):.1f} ms"
+        )
 
 
 if __name__ == "__main__":

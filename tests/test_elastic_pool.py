@@ -412,3 +412,17 @@ def test_roles_on_different_nodes_sync_weights_and_change_roles(tmp_path, ray_en
         pool.shutdown()
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_the_loop_gives_a_drain_a_timeout():
+    """A move to training waits `elastic.drain_timeout_s` at most for the drained worker's stragglers
+    (the loop used to wait for the slowest one, however long)."""
+    from reflow.recipes.loop_sched import ElasticDriver
+    from reflow.recipes.run_state import RunState
+
+    config = load_config(None, [*BASE, "mode=reflow"])
+    assert ElasticDriver(None, config, RunState(), 0.0).runtime.drain_timeout_s == 30.0
+    config = load_config(None, [*BASE, "mode=reflow", "elastic.drain_timeout_s=5"])
+    assert ElasticDriver(None, config, RunState(), 0.0).runtime.drain_timeout_s == 5.0
+    with pytest.raises(Exception, match="drain_timeout_s"):
+        load_config(None, [*BASE, "mode=reflow", "elastic.drain_timeout_s=0"])

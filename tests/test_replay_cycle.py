@@ -406,3 +406,22 @@ def test_one_definition_of_reward_spread_from_rewards_to_the_plan(store):
     later = plan_batch(store, want=2, current_version=1, share=1.0, cfg=CycleConfig(max_reuse=3))
     assert ids(later.replay) == ["real"]  # the noise group is never replayed
     assert accepted_groups(store) == 1
+
+
+def test_planning_reads_no_record(store, monkeypatch):
+    """A plan is made from the index columns alone (ids, versions, spreads, uses): no episode record
+    is decoded, however many groups are fresh or in the replay window."""
+    from reflow.replay import store as store_module
+
+    for i in range(12):
+        add(store, f"g{i}", version=i // 4, spread=float(i % 3 != 2))
+    consume(store, plan_batch(store, want=4, current_version=2, share=0.0, cfg=CycleConfig()), step=1)
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("planning decoded a record")
+
+    monkeypatch.setattr(store_module, "decode_record", no_decoding)
+    plan = plan_batch(store, want=4, current_version=2, share=0.5, cfg=CycleConfig(max_reuse=3))
+    assert len(plan.fresh) == 4 and len(plan.replay) == 0
+    plan = plan_batch(store, want=8, current_version=2, share=0.5, cfg=CycleConfig(max_reuse=3))
+    assert len(plan.fresh) == 4 and len(plan.replay) == 4  # 4 fresh with spread left, replay fills

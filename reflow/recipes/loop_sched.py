@@ -83,7 +83,10 @@ class ElasticDriver:
         """`state`: the loop's `RunState` at the start, `now_s`: training seconds then."""
         self.group_size = config.rollout.group_size
         batch = config.rollout.groups_per_step * self.group_size
-        self.runtime = ElasticRuntime(pool, ElasticPolicy(config.elastic.policy_config()), batch_size=batch)
+        policy = ElasticPolicy(config.elastic.policy_config())
+        self.runtime = ElasticRuntime(
+            pool, policy, batch_size=batch, drain_timeout_s=policy.cfg.drain_timeout_s
+        )
         self.trained = 0.0  # episodes trained on (fresh and replayed; samples, the policy's unit)
         self.then = Totals(now_s, state.rollout_busy_s, 0.0, state.trainer_busy_s, 0.0)
 

@@ -55,6 +55,13 @@ class ElasticConfig:
     initial_change_cost_s: float = field(
         default=30.0, metadata=_doc("assumed seconds of a role change until one has been measured")
     )
+    drain_timeout_s: float = field(
+        default=30.0,
+        metadata=_doc(
+            "a move to training waits this long at most for the drained worker's groups in flight; the "
+            "rest are abandoned (their admission slots freed, generated again elsewhere)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.horizon_steps < 1:
@@ -67,6 +74,8 @@ class ElasticConfig:
             raise ValueError(
                 f"min_rollout and min_train must be >= 1, got {self.min_rollout} and {self.min_train}"
             )
+        if not (math.isfinite(self.drain_timeout_s) and self.drain_timeout_s > 0):
+            raise ValueError(f"drain_timeout_s must be finite and > 0, got {self.drain_timeout_s}")
         if not (math.isfinite(self.initial_change_cost_s) and self.initial_change_cost_s >= 0):
             raise ValueError(
                 f"initial_change_cost_s must be finite and >= 0, got {self.initial_change_cost_s}"
