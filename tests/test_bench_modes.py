@@ -232,11 +232,11 @@ def test_every_run_gets_a_final_evaluation_on_at_least_300_held_out_tasks(tmp_pa
     assert (
         bench_modes.cmd_bench_modes(_args(tmp_path, seeds=1, target=0.5, overrides=["eval.pass_at=0"])) == 0
     )
-    for *_, extra in calls:
-        assert extra[-2:] == ["eval.pass_at=1", "eval.end_episodes=300"]  # after the command line's
-    calls.clear()  # a config's own larger measurement is kept
+    for *_, extra in calls:  # after the command line's; no eval.every_s given: the wall-clock grid
+        assert extra[-4:] == ["eval.pass_at=1", "eval.end_episodes=300", "eval.every=0", "eval.every_s=30"]
+    calls.clear()  # a config's own larger measurement and its own grid are kept
     args = _args(tmp_path, seeds=1, target=0.5, out=str(tmp_path / "o2"))
-    args.overrides = ["eval.pass_at=8", "eval.end_episodes=500"]
+    args.overrides = ["eval.pass_at=8", "eval.end_episodes=500", "eval.every_s=20"]
     assert bench_modes.cmd_bench_modes(args) == 0
     assert all(c[4][-2:] == ["eval.pass_at=8", "eval.end_episodes=500"] for c in calls)
     with pytest.raises(UsageError, match=r"eval\.episodes must be > 0"):

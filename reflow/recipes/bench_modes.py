@@ -108,6 +108,10 @@ def parse_rows(items: list[str]) -> list[tuple[str, str, list[str]]]:
     return out
 
 
+DEFAULT_EVERY_S = 30.0
+"""Seconds between evaluation points when the config and the command line set no `eval.every_s`."""
+
+
 def _final_eval_overrides(config_path: str, overrides: list[str]) -> list[str]:
     """Overrides that make the end-of-run measurement (`eval.pass_at`, greedy on `eval.end_episodes`
     tasks) run on at least FINAL_TASKS tasks, keeping the config's own when larger."""
@@ -116,7 +120,11 @@ def _final_eval_overrides(config_path: str, overrides: list[str]) -> list[str]:
     ev = load_config(config_path, overrides).eval
     if not ev.episodes:
         raise UsageError("the benchmark measures held-out success: eval.episodes must be > 0")
-    return [f"eval.pass_at={max(ev.pass_at, 1)}", f"eval.end_episodes={max(ev.end_episodes, FINAL_TASKS)}"]
+    final = [f"eval.pass_at={max(ev.pass_at, 1)}", f"eval.end_episodes={max(ev.end_episodes, FINAL_TASKS)}"]
+    # Modes are compared on one clock: evaluation points on a wall-clock grid, so a mode that steps
+    # faster is not also evaluated more often (a config evaluating every N steps gets the default grid).
+    clock = [] if ev.every_s is not None else ["eval.every=0", f"eval.every_s={DEFAULT_EVERY_S:g}"]
+    return [*final, *clock]
 
 
 def run_one(
