@@ -8,7 +8,7 @@ from engine_helpers import small_qwen3
 
 from reflow.records import Segment
 from reflow.train.logprobs import logprobs_from_logits, pad_segments, token_logprobs
-from reflow.train.losses import LossConfig, engine_gap_stats, masked_mean, policy_loss
+from reflow.train.losses import LossConfig, engine_gap_stats, loss_denominator, masked_mean, policy_loss
 
 LN = math.log
 
@@ -99,18 +99,19 @@ def test_replay_clip_without_replayed_rows_changes_nothing():
 
 
 def test_behaviour_weight_and_cap_masking_by_hand():
-    # Token 0: w = 2, A=+1, u=1.1 -> w*pg = 2 * -1.1. Token 1: w = 6 > cap 5 -> masked out.
-    # Token 2: w = 5 exactly is kept (only w > cap is masked): A=-1, u=1 -> 5 * 1.
+    # Token 0: w = 2, A=+1, u=1.1 -> w*pg = 2 * -1.1. Token 1: w = 6 > cap 5 -> masked out: it adds 0
+    # but stays in the denominator (the loss mask's, as in verl and AReaL), so its neighbours do not
+    # weigh more. Token 2: w = 5 exactly is kept (only w > cap is masked): A=-1, u=1 -> 5 * 1.
     logp, prox, behav, adv, mask = _inputs([LN(1.1), 0.0, 0.0], [LN(2.0), LN(6.0), LN(5.0)], [1, 1, -1])
     loss, stats = policy_loss(logp, prox, behav, adv, mask, LossConfig(kind="decoupled_ppo"))
-    assert loss.item() == pytest.approx((-2.2 + 5.0) / 2)
+    assert loss.item() == pytest.approx((-2.2 + 5.0) / 3)
     assert stats["masked_frac"].item() == pytest.approx(1 / 3)
     assert stats["n_tokens"].item() == 2
     assert stats["w_mean"].item() == pytest.approx(3.5)
     assert stats["w_max"].item() == pytest.approx(5.0)
     assert stats["trunc_frac"].item() == 0.0
     loss.backward()
-    assert logp.grad[0].tolist() == pytest.approx([2 * -1.1 / 2, 0.0, 5 * 1.0 / 2])
+    assert logp.grad[0].tolist() == pytest.approx([2 * -1.1 / 3, 0.0, 5 * 1.0 / 3])
 
 
 def test_everything_capped_gives_zero_loss_not_nan():
@@ -244,6 +245,32 @@ def test_seq_mean_token_mean_aggregation():
     assert seq.item() == pytest.approx((-1.28 + (-0.5 + 1.5) / 2) / 2)
     tok, _ = policy_loss(logp, prox, prox, adv, mask, LossConfig(agg="token_mean"))
     assert tok.item() == pytest.approx((-1.28 - 0.5 + 1.5) / 3)
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+def test_micro_batch_losses_over_the_mini_batch_denominator_add_up_to_its_loss(agg):
+    # Rows of different lengths, some tokens capped (w > 5), one row capped everywhere: split in two
+    # micro-batches, each divided by the whole batch's denominator, the losses and gradients add up.
+    torch.manual_seed(3)
+    prox = -3 * torch.rand(5, 6)
+    behav = prox - torch.where(torch.rand(5, 6) < 0.3, 3.0, 0.2 * torch.randn(5, 6))
+    behav[4] = prox[4] - 3.0
+    adv = torch.randn(5)
+    mask = torch.ones(5, 6)
+    mask[0, 3:], mask[2, 1:], mask[3, :] = 0, 0, 0  # lengths 3, 6, 1, 0 (no loss token), 6
+    logp = (prox + 0.1 * torch.randn(5, 6)).requires_grad_(True)
+    cfg = LossConfig(agg=agg)
+    full, _ = policy_loss(logp, prox, behav, adv, mask, cfg)
+    (g_full,) = torch.autograd.grad(full, logp)
+    denominator = loss_denominator(mask.sum(dim=-1), agg)
+    assert denominator == (16 if agg == "token_mean" else 4)  # capped tokens and rows count
+    parts = [
+        policy_loss(logp[rows], prox[rows], behav[rows], adv[rows], mask[rows], cfg, None, denominator)[0]
+        for rows in (slice(0, 2), slice(2, 5))
+    ]
+    (g_parts,) = torch.autograd.grad(sum(parts), logp)
+    assert sum(parts).item() == pytest.approx(full.item(), abs=1e-6)
+    assert torch.allclose(g_parts, g_full, atol=1e-7)
 
 
 def test_config_validation_and_masked_mean():
@@ -385,11 +412,24 @@ def test_engine_gap_stats_by_hand():
     engine = torch.tensor([[LN(0.25), LN(0.25), -1e9]])
     mask = torch.tensor([[1, 1, 0]])
     g = engine_gap_stats(prox, engine, mask)
-    d = LN(0.25) - LN(0.5)
-    assert g["engine_kl_sum"].item() == pytest.approx(2 * (math.exp(d) - 1 - d), rel=1e-5)
+    d = LN(0.25) - LN(0.5)  # k3 with r = pi_prox / pi_engine = exp(-d) = 2: r - 1 - log r
+    assert g["engine_kl_sum"].item() == pytest.approx(2 * (2 - 1 - LN(2.0)), rel=1e-5)
+    assert g["engine_kl_sum"].item() == pytest.approx(2 * (math.exp(-d) - 1 + d), rel=1e-5)
     assert g["engine_gap_max"].item() == pytest.approx(LN(2.0), rel=1e-5)
     assert (g["w_sum"].item(), g["w_sq_sum"].item(), g["n"].item()) == pytest.approx((4.0, 8.0, 2.0))
     # weights 1 and 3: ESS = (1 + 3)^2 / (2 * (1 + 9)) = 0.8
     g = engine_gap_stats(torch.tensor([[0.0, LN(3.0)]]), torch.tensor([[0.0, 0.0]]), torch.tensor([[1, 1]]))
     ess = g["w_sum"].item() ** 2 / (g["n"].item() * g["w_sq_sum"].item())
     assert ess == pytest.approx(0.8, rel=1e-5)
+
+
+def test_engine_kl_estimates_kl_engine_to_prox_on_tokens_the_engine_sampled():
+    # The engine samples from p, the trainer's prox is q: the mean of the per-token terms over many
+    # engine samples must approach the exact KL(p || q) (the old exp(d) - 1 - d gave 0.97 here).
+    p = torch.tensor([0.7, 0.2, 0.1])
+    q = torch.tensor([0.2, 0.3, 0.5])
+    exact = float((p * (p / q).log()).sum())  # 0.635
+    tokens = torch.multinomial(p, 200_000, replacement=True, generator=torch.Generator().manual_seed(0))
+    engine, prox = p.log()[tokens][None], q.log()[tokens][None]
+    g = engine_gap_stats(prox, engine, torch.ones_like(prox))
+    assert g["engine_kl_sum"].item() / g["n"].item() == pytest.approx(exact, rel=0.02)

@@ -37,6 +37,80 @@ def _weights(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _capped_rows(n: int = 8, seed: int = 4) -> list[TrainRow]:
+    """Rows of varied lengths whose recorded log-probs put some tokens over the decoupled-PPO cap
+    (-30: w = pi_prox / pi_behav ~ e^26) and the others near w = 1 (-4.2 ~ log 1/64, the tiny model's);
+    the last row is capped everywhere; every third row is a replay."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        seg = Segment(0)
+        seg.extend_prompt([rng.randrange(1, 64) for _ in range(rng.randint(2, 8))])
+        k = rng.randint(1, 9)
+        logprobs = [-30.0 if i == n - 1 else rng.choice([-30.0, -4.2, -4.2]) for _ in range(k)]
+        seg.extend_sampled([rng.randrange(1, 64) for _ in range(k)], logprobs, [0] * k)
+        adv = rng.choice([1.0, -1.0]) * rng.uniform(0.5, 1.5)
+        rows.append(TrainRow(seg, adv, replayed=i % 3 == 0))  # no replay clip: only the counts differ
+    return rows
+
+
+def _config(micro_batch_tokens: int = 16384, agg: str = "token_mean", rows: str = "plain") -> TrainerConfig:
+    """The tests' trainer settings; `rows="capped"` trains `_capped_rows` off-policy (the engine's
+    log-probs as behaviour) with no gradient clipping, so raw gradients compare."""
+    capped = rows == "capped"
+    return TrainerConfig(
+        lr=1e-2,
+        bf16=False,
+        micro_batch_tokens=micro_batch_tokens,
+        loss=LossConfig(agg=agg),
+        behaviour_is_prox=not capped,
+        grad_clip=1e9 if capped else 1.0,
+    )
+
+
+def _capture_grads(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
+    """Filled with the (reduced, unsharded) gradients each time the trainer takes an optimizer step."""
+    grads: dict[str, torch.Tensor] = {}
+    step = trainer.optimizer.step
+
+    def capture(*args, **kwargs):
+        grads.update(
+            {
+                n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                for n, p in trainer.model.named_parameters()
+            }
+        )
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = capture
+    return grads
+
+
+def _two_ranks(tmp_path, *args: object) -> dict:
+    """Runs tests/fsdp_worker.py on two gloo ranks; what rank 0 saved (state, metrics, grads)."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "fsdp.pt"
+    tests = Path(__file__).parent
+    argv = [str(port), str(out), *map(str, args)]
+    procs = [
+        subprocess.Popen([sys.executable, str(tests / "fsdp_worker.py"), str(rank), "2", *argv], cwd=tests)
+        for rank in range(2)
+    ]
+    try:
+        assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            p.kill()
+    return torch.load(out, weights_only=False)
+
+
 def test_sync_mode_weight_is_one_and_nothing_is_masked():
     trainer = PolicyTrainer(
         _model(), pad_id=0, config=TrainerConfig(lr=1e-2, behaviour_is_prox=True, bf16=False)
@@ -133,9 +207,9 @@ def test_prox_of_later_minibatches_is_the_weights_before_the_first_update(monkey
     seen = []
     real_loss = trainer_mod.policy_loss
 
-    def spy(logp, prox, behav, adv, mask, cfg, replayed=None):
+    def spy(logp, prox, behav, adv, mask, cfg, *rest):
         seen.append((prox.clone(), mask.clone()))
-        return real_loss(logp, prox, behav, adv, mask, cfg, replayed)
+        return real_loss(logp, prox, behav, adv, mask, cfg, *rest)
 
     monkeypatch.setattr(trainer_mod, "policy_loss", spy)
     trainer = PolicyTrainer(
@@ -167,9 +241,9 @@ def test_loglinear_prox_interpolates_by_staleness_without_an_extra_forward(monke
     seen = []
     real_loss = trainer_mod.policy_loss
 
-    def spy(logp, prox, behav, adv, mask, cfg, replayed=None):
+    def spy(logp, prox, behav, adv, mask, cfg, *rest):
         seen.append((logp.detach().clone(), prox.clone(), behav.clone(), mask.bool()))
-        return real_loss(logp, prox, behav, adv, mask, cfg, replayed)
+        return real_loss(logp, prox, behav, adv, mask, cfg, *rest)
 
     monkeypatch.setattr(trainer_mod, "policy_loss", spy)
     trainer = PolicyTrainer(
@@ -268,15 +342,27 @@ def test_zero_advantage_rows_do_not_move_the_policy():
 def test_a_step_with_no_sampled_token_changes_nothing():
     # AdamW with weight decay moves the weights even on zero gradients: an empty step must not step.
     trainer = PolicyTrainer(_model(), 0, TrainerConfig(lr=1e-2, bf16=False, weight_decay=0.1))
-    trainer.train_step(_rows())  # momentum to carry, version 1
-    before, optim_steps = _weights(trainer.model), len(trainer.optimizer.state)
+    full = trainer.train_step(_rows())  # momentum to carry, version 1
     no_tokens = [TrainRow(_segment(random.Random(1), 5, 0), 1.0)]
+    before, optim_steps = _weights(trainer.model), len(trainer.optimizer.state)
     for rows in ([], no_tokens):
         metrics = trainer.train_step(rows)
         assert metrics["updates"] == 0.0 and metrics["trained_tokens"] == 0.0
+        # every key a real step reports (the loops read them), with neutral values
+        assert set(metrics) == set(full)
+        assert (metrics["masked_frac"], metrics["kl_behav"], metrics["is_ess"]) == (0.0, 0.0, 1.0)
+        assert metrics["new_trained_tokens"] == 0.0 and metrics["w_mean"] == 1.0
     assert (trainer.version, trainer.step, len(trainer.optimizer.state)) == (1, 1, optim_steps)
     for k, v in _weights(trainer.model).items():
         assert torch.equal(before[k], v), k
+
+
+def test_new_trained_tokens_count_the_rows_of_groups_trained_for_the_first_time():
+    rows = _capped_rows()
+    metrics = PolicyTrainer(_model(), 0, _config(rows="capped")).train_step(rows)
+    assert metrics["trained_tokens"] == sum(r.segment.n_sampled for r in rows)
+    assert metrics["new_trained_tokens"] == sum(r.segment.n_sampled for r in rows if not r.replayed)
+    assert 0 < metrics["new_trained_tokens"] < metrics["trained_tokens"]
 
 
 def _episode(status: str, reward: float, gid: str = "g") -> EpisodeRecord:
@@ -320,7 +406,9 @@ def test_infra_error_episodes_are_masked_out_of_training():
 
 def test_a_row_is_replayed_when_an_earlier_step_trained_its_group():
     def group(consumed, last_step):
-        return StoredGroup("g", 0, 0, [_episode("ok", 1.0)], [1.0], 1.0, consumed, last_step, {})
+        return StoredGroup(
+            "g", 0, 0, 1.0, consumed, last_step, {}, episodes=[_episode("ok", 1.0)], advantages=[1.0]
+        )
 
     # (consumed, last_step, step): sync marks after the update, the decoupled modes when they plan it
     assert not trained_before(group(0, None), 5)  # sync, fresh
@@ -402,39 +490,9 @@ def test_fsdp2_two_ranks_match_one_rank(tmp_path, n_rows, micro_batch_tokens):
     """Two gloo ranks with the model sharded by fully_shard take the same step as one rank, also when
     their shares pack into different numbers of micro-batches or one rank has no row at all (each
     forward is a collective: unequal counts used to hang the group)."""
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "fsdp.pt"
-    tests = Path(__file__).parent
-    args = [str(port), str(out), str(n_rows), str(micro_batch_tokens)]
-    procs = [
-        subprocess.Popen([sys.executable, str(tests / "fsdp_worker.py"), str(rank), "2", *args], cwd=tests)
-        for rank in range(2)
-    ]
-    try:
-        assert [p.wait(timeout=120) for p in procs] == [0, 0]
-    finally:
-        for p in procs:
-            p.kill()
-    sharded = torch.load(out, weights_only=False)
-
-    single = PolicyTrainer(
-        _model(), 0, TrainerConfig(lr=1e-2, bf16=False, micro_batch_tokens=micro_batch_tokens)
-    )
-    grads = {}
-    step = single.optimizer.step
-
-    def capture(*args, **kwargs):
-        grads.update({n: p.grad.clone() for n, p in single.model.named_parameters()})
-        return step(*args, **kwargs)
-
-    single.optimizer.step = capture
+    sharded = _two_ranks(tmp_path, n_rows, micro_batch_tokens)
+    single = PolicyTrainer(_model(), 0, _config(micro_batch_tokens))
+    grads = _capture_grads(single)
     metrics = single.train_step(_rows(n_rows + n_rows % 2)[:n_rows])
     assert sharded["metrics"]["trained_tokens"] == metrics["trained_tokens"]
     assert sharded["metrics"]["loss"] == pytest.approx(metrics["loss"], abs=1e-5)
@@ -443,6 +501,35 @@ def test_fsdp2_two_ranks_match_one_rank(tmp_path, n_rows, micro_batch_tokens):
     # Adam's first step is ~lr * sign(grad): gradients that are float noise may flip, no more than that
     for key, value in single.model.state_dict().items():
         assert torch.allclose(sharded["state"][key], value, atol=2.5e-2), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+def test_the_gradient_is_the_rows_own_whatever_the_packing_and_the_rank_count(tmp_path, agg):
+    """The loss is a function of the mini-batch alone: one micro-batch on one rank, one micro-batch
+    per row, and two FSDP2 ranks give the same gradient, also with tokens the decoupled-PPO cap drops
+    (they used to leave a micro-batch's denominator but not its weight in the mini-batch)."""
+    rows = _capped_rows()
+    runs = {}
+    for name, micro in (("one micro-batch", 1 << 20), ("a micro-batch per row", 1)):
+        trainer = PolicyTrainer(_model(), 0, _config(micro, agg, "capped"))
+        grads = _capture_grads(trainer)
+        metrics = trainer.train_step(rows)
+        assert len(trainer._micro_batches(rows)) == (1 if micro > 1 else len(rows))
+        runs[name] = grads, metrics
+    sharded = _two_ranks(tmp_path, len(rows), 1, agg, "capped")
+    runs["two ranks"] = sharded["grads"], sharded["metrics"]
+    ref_grads, ref = runs["one micro-batch"]
+    assert 0.05 < ref["masked_frac"] < 0.95  # some tokens capped, not all
+    for name, (grads, metrics) in runs.items():
+        diff = max(float((grads[k] - ref_grads[k]).abs().max()) for k in ref_grads)
+        assert diff <= 1e-6, (name, diff)
+        assert metrics["loss"] == pytest.approx(ref["loss"], abs=1e-6), name
+        assert metrics["masked_frac"] == pytest.approx(ref["masked_frac"], abs=1e-6), name
+        assert (metrics["trained_tokens"], metrics["new_trained_tokens"]) == (
+            ref["trained_tokens"],
+            ref["new_trained_tokens"],
+        ), name
 
 
 def test_one_step_raises_rewarded_tokens_and_lowers_penalised_ones():

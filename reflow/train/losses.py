@@ -4,7 +4,7 @@ Three policies meet at each sampled token: behaviour (the weights that sampled i
 log-probability the rollout recorded), prox (the current weights before this update, a no-grad
 forward pass) and theta (the weights being trained). The PPO ratio u = pi_theta / pi_prox is clipped
 around prox, so a step is bounded however stale the data; the behaviour correction
-w = pi_prox / pi_behav reweights for the distribution the token was drawn from (DESIGN.md, Losses).
+w = pi_prox / pi_behav reweights for the distribution the token was drawn from.
 
 This module owns the loss and its health statistics (clip fraction, weight mean/max, masked
 fraction, behaviour-vs-current KL); the log-probabilities come from `reflow.train.logprobs`.
@@ -12,11 +12,13 @@ fraction, behaviour-vs-current KL); the log-probabilities come from `reflow.trai
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from reflow.train.settings import LossConfig
 
-__all__ = ["LossConfig", "engine_gap_stats", "masked_mean", "policy_loss"]
+__all__ = ["LossConfig", "engine_gap_stats", "loss_denominator", "masked_mean", "policy_loss"]
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -27,13 +29,22 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return picked.sum() / mask.sum().clamp(min=1)
 
 
-def _aggregate(per_token: torch.Tensor, valid: torch.Tensor, agg: str) -> torch.Tensor:
-    """`per_token` is already 0 wherever `valid` is False."""
+def loss_denominator(row_tokens: Sequence[int] | torch.Tensor, agg: str) -> float:
+    """What `policy_loss` divides its sum by, from the loss-mask token count of each row: the count of
+    mask tokens (token_mean) or of rows that have any (seq_mean_token_mean). Capped tokens are mask
+    tokens: they count here (see `policy_loss`). The trainer adds it up over a mini-batch's
+    micro-batches and ranks before the first of them runs."""
+    counts = torch.as_tensor(row_tokens, dtype=torch.float64)
+    return float(counts.sum() if agg == "token_mean" else (counts > 0).sum())
+
+
+def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str, denominator: float) -> torch.Tensor:
+    """`per_token` is already 0 wherever a token does not enter the loss (off the mask, or capped)."""
     if agg == "token_mean":
-        return per_token.sum() / valid.sum().clamp(min=1)
-    counts = valid.sum(dim=-1)
-    row_means = per_token.sum(dim=-1) / counts.clamp(min=1)
-    return row_means.sum() / (counts > 0).sum().clamp(min=1)
+        total = per_token.sum()
+    else:
+        total = (per_token.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)).sum()
+    return total / max(denominator, 1.0)
 
 
 def policy_loss(
@@ -44,6 +55,7 @@ def policy_loss(
     mask: torch.Tensor,
     cfg: LossConfig | None = None,
     replayed: torch.Tensor | None = None,
+    denominator: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The policy-gradient loss over the tokens where `mask` is set, and detached scalar statistics.
 
@@ -55,6 +67,15 @@ def policy_loss(
     the tokens of `replayed` rows ([B] or [B, T], True for a replayed row) whose r = pi_theta / pi_behav
     is past the clip in their advantage's direction (A > 0 and r > 1 + eps_high, or A < 0 and
     r < 1 - eps) keep their value in the loss but give no gradient.
+
+    Normalisation: the loss is a sum divided by `denominator`. token_mean sums w * pg over the valid
+    tokens; seq_mean_token_mean sums each row's mean, that row's sum over its mask tokens. The
+    denominator is the count of mask tokens (token_mean) or of rows with a mask token
+    (seq_mean_token_mean) of the whole mini-batch, over every micro-batch and rank
+    (`loss_denominator`), so the micro-batch losses add up to the mini-batch's loss and a row weighs
+    the same however the rows are packed or sharded. None: this batch's own count. A token capped by
+    decoupled PPO counts in the denominators (as the loss mask does in verl and AReaL) and adds 0 to
+    the sum: capping a token drops its term without raising the weight of the tokens beside it.
 
     Statistics, over the valid tokens (those that enter the loss) unless said otherwise:
     clip_frac (the clipped branch is the max, i.e. the token gives no gradient), replay_clip_frac (tokens
@@ -105,7 +126,9 @@ def policy_loss(
         )
         replay_clipped = valid & replayed.bool().expand_as(mask) & past
         per_token = torch.where(replay_clipped, per_token.detach(), per_token)
-    loss = _aggregate(per_token, valid, cfg.agg)
+    if denominator is None:
+        denominator = loss_denominator(mask.sum(dim=-1), cfg.agg)
+    loss = _aggregate(per_token, mask, cfg.agg, denominator)
 
     with torch.no_grad():
         n_valid = valid.sum()
@@ -129,8 +152,9 @@ def engine_gap_stats(
     """How far the trainer's pre-update log-probs are from the ones the engine recorded, on the
     sampled tokens, as sums so micro-batches and ranks can be added up before dividing:
 
-    - engine_kl_sum: sum of k3 = exp(d) - 1 - d with d = engine_logp - prox_logp (KL(prox || engine)
-      estimated from samples: 0 when they agree, whatever the sign of the gap);
+    - engine_kl_sum: sum of k3 = r - 1 - log r with r = pi_prox / pi_engine = exp(-d), d = engine_logp
+      - prox_logp, i.e. exp(-d) - 1 + d: each term is >= 0 (0 when they agree, whatever the sign of
+      the gap) and its mean over tokens the engine sampled estimates KL(engine || prox) without bias;
     - engine_gap_max: max |prox_logp - engine_logp|;
     - w_sum, w_sq_sum, n: for the effective sample size of the weights w = exp(prox - engine),
       ESS = (sum w)^2 / (n sum w^2), 1 when every weight is equal and towards 1/n when one dominates.
@@ -144,7 +168,7 @@ def engine_gap_stats(
     d = torch.where(mask, engine_logp.detach().float() - prox_logp.detach().float(), zero)
     w = torch.where(mask, (-d).exp(), zero)
     return {
-        "engine_kl_sum": torch.where(mask, d.exp() - 1.0 - d, zero).sum(),
+        "engine_kl_sum": torch.where(mask, w - 1.0 + d, zero).sum(),
         "engine_gap_max": d.abs().max() if bool(mask.any()) else zero.clone(),
         "w_sum": w.sum(),
         "w_sq_sum": (w * w).sum(),

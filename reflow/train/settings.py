@@ -30,8 +30,10 @@ class LossConfig:
     decoupled clip is around prox, which each step moves, so without this a replayed token is pushed
     again however far its first use already moved it. Fresh rows are unchanged."""
     agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
-    """token_mean: mean over all valid tokens of the batch (long answers weigh more);
-    seq_mean_token_mean: mean over each row's valid tokens, then over rows that have any."""
+    """token_mean: mean over all loss-mask tokens of the mini-batch (long answers weigh more);
+    seq_mean_token_mean: mean over each row's mask tokens, then over the mini-batch's rows that have
+    any. Over the whole mini-batch, whatever the micro-batches and ranks; a token the decoupled-PPO
+    cap drops counts in both means and adds 0 (`losses.policy_loss`)."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("decoupled_ppo", "tis"):

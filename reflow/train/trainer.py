@@ -9,14 +9,18 @@ step, once per mini-batch and epoch (`minibatches`, `epochs`; one update by defa
 policy is the weights before the first update; with one update per batch its log-probs are exactly the
 detached log-probs of the same forward pass, so no extra forward is spent on them. In sync mode the
 behaviour policy *is* the proximal one (`behaviour_is_prox`): the IS weight is exactly 1 and nothing is
-masked. Otherwise the behaviour log-probs are the ones the engine recorded at
-sampling time. Every step also reports how far the trainer's pre-update log-probs are from the
-engine's (`engine_kl`, `engine_gap_max`) and the effective sample size of the weights between them
-(`is_ess`): in sync mode that is the engine-trainer mismatch alone.
+masked. Otherwise the behaviour log-probs are the ones the engine recorded at sampling time. Every
+step also reports how far the trainer's pre-update log-probs are from the engine's (`engine_kl`, an
+estimate of KL(engine || prox), and `engine_gap_max`) and the effective sample size of the weights
+between them (`is_ess`): in sync mode that is the engine-trainer mismatch alone.
 
 Several ranks: `init_distributed` starts a gloo (CPU) or NCCL process group and the model is sharded
-with FSDP2 (`fully_shard`, one unit per decoder layer); each rank trains on its share of the rows and
-the loss is normalised by the global token count, so the update equals the single-rank one.
+with FSDP2 (`fully_shard`, one unit per decoder layer); each rank trains on its share of the rows.
+
+Normalisation: before a mini-batch's first micro-batch the trainer adds up, over every rank, the loss's
+denominator (its loss-mask tokens, or its rows for `seq_mean_token_mean`), and each micro-batch's loss
+is its sum over that count (`losses.policy_loss`): the gradient is a function of the mini-batch's rows
+alone, the same whatever `micro_batch_tokens`, the packing or the rank count.
 """
 
 from __future__ import annotations
@@ -34,12 +38,19 @@ import torch.nn.functional as F
 
 from reflow.records import Segment
 from reflow.train.logprobs import logprobs_from_logits, pad_segments, token_logprobs
-from reflow.train.losses import engine_gap_stats, policy_loss
+from reflow.train.losses import engine_gap_stats, loss_denominator, policy_loss
 from reflow.train.prefix import shared_prefix_len, suffix_logits
 from reflow.train.settings import TrainerConfig
 from reflow.train.sft import pack_batches, use_bf16
 
-__all__ = ["PolicyTrainer", "TrainRow", "TrainerConfig", "equalize_micro_batches", "loglinear_prox"]
+__all__ = [
+    "EMPTY_STEP_METRICS",
+    "PolicyTrainer",
+    "TrainRow",
+    "TrainerConfig",
+    "equalize_micro_batches",
+    "loglinear_prox",
+]
 
 
 @dataclass
@@ -55,8 +66,23 @@ class TrainRow:
     """The row's group was trained on by an earlier step (for `LossConfig.replay_clip`)."""
 
 
-_TOKEN_STATS = ("clip_frac", "replay_clip_frac", "w_mean", "masked_frac", "kl_behav")
-"""The loss statistics that are token means (summed token-weighted over the micro-batches)."""
+_VALID_STATS = ("clip_frac", "replay_clip_frac", "w_mean")
+"""Loss statistics that are means over the tokens that enter the loss (capped ones excluded)."""
+_MASK_STATS = ("masked_frac", "kl_behav")
+"""Loss statistics that are means over every loss-mask token."""
+
+EMPTY_STEP_METRICS: dict[str, float] = {
+    **dict.fromkeys(("loss", "entropy", "clip_frac", "replay_clip_frac", "masked_frac", "kl_behav"), 0.0),
+    **dict.fromkeys(("grad_norm", "grad_skipped", "updates", "trained_tokens", "new_trained_tokens"), 0.0),
+    **dict.fromkeys(("rows", "train_s", "engine_kl", "engine_gap_max"), 0.0),
+    **dict.fromkeys(("w_mean", "w_max", "is_ess"), 1.0),  # no weight differs from 1
+}
+"""What `train_step` returns for a step with no sampled token: every key of a real step, neutral."""
+
+
+def _loss_tokens(row: TrainRow) -> int:
+    """The row's tokens in the loss mask (`pad_segments` drops position 0: nothing predicts it)."""
+    return sum(row.segment.loss_mask[1:])
 
 
 def _sum_stat(stats: dict[str, Any], key: str) -> float:
@@ -135,15 +161,15 @@ class PolicyTrainer:
 
     def train_step(self, rows: Sequence[TrainRow], step: int | None = None) -> dict[str, float]:
         """`minibatches` x `epochs` optimizer steps on `rows` (this rank's share; one by default).
-        Returns loss and IS-health metrics, token-weighted over all the updates. With no sampled token
-        on any rank it changes nothing (weights, optimizer state, step and version stay) and returns
-        `updates` 0."""
+        Returns loss and IS-health metrics over all the updates, always with the keys of
+        `EMPTY_STEP_METRICS`. With no sampled token on any rank it changes nothing (weights,
+        optimizer state, step and version stay) and returns those neutral values, `updates` 0."""
         start = time.monotonic()
         rows = [r for r in rows if r.segment.n_sampled > 0]
         if not self._all_reduce(float(len(rows))):
             # No rank has a sampled token: an update would be all zero gradients, yet AdamW's momentum
             # and weight decay would still move the weights. Nothing is trained and the version stays.
-            return {"trained_tokens": 0.0, "rows": 0.0, "updates": 0.0, "train_s": time.monotonic() - start}
+            return {**EMPTY_STEP_METRICS, "train_s": time.monotonic() - start}
         plan = [self._micro_batches(mb) for mb in self._split_minibatches(rows)]
         updates = len(plan) * self.cfg.epochs
         # Later updates need the log-probs of the weights before the first one (prox); a single update
@@ -151,17 +177,19 @@ class PolicyTrainer:
         recompute = updates > 1 and self.cfg.prox_logp == "recompute"
         prox = self._prox_logprobs(plan) if recompute else None
         first = True  # no optimizer step yet: theta is still prox
-        keys = ("loss", "entropy", *_TOKEN_STATS)
-        totals: dict[str, float] = dict.fromkeys(keys, 0.0)
-        w_max, grad_norms, all_tokens = 0.0, [], 0.0
+        # Sums over every update, micro-batch and (after the step) rank; divided at the end.
+        totals: dict[str, float] = dict.fromkeys(("loss", "entropy", "n_valid", "n_mask"), 0.0)
+        totals.update(dict.fromkeys(_VALID_STATS + _MASK_STATS, 0.0))
+        w_max, grad_norms = 0.0, []
         gap: dict[str, float] = dict.fromkeys(("engine_kl_sum", "w_sum", "w_sq_sum", "n"), 0.0)
         gap_max = 0.0
         self.model.train()
         for epoch in range(self.cfg.epochs):
             for k, micro_batches in enumerate(plan):
-                local = sum(r.segment.n_sampled for batch in micro_batches for r in batch)
-                global_tokens = self._all_reduce(float(local))
-                all_tokens += global_tokens
+                # The mini-batch's denominator over every rank, before its first micro-batch: each
+                # micro-batch's loss is then its exact share of the mini-batch's, however rows pack.
+                row_tokens = [_loss_tokens(r) for batch in micro_batches for r in batch]
+                denominator = self._all_reduce(loss_denominator(row_tokens, self.cfg.loss.agg))
                 self.optimizer.zero_grad(set_to_none=True)
                 for j, batch in enumerate(micro_batches):
                     t = self._forward(batch)
@@ -180,16 +208,19 @@ class PolicyTrainer:
                         gap_max = max(gap_max, float(g["engine_gap_max"]))
                     behav = prox_logp if self.cfg.behaviour_is_prox else t["behav"]
                     loss, stats = policy_loss(
-                        logp, prox_logp, behav, t["adv"], t["mask"], self.cfg.loss, t["replayed"]
+                        logp, prox_logp, behav, t["adv"], t["mask"], self.cfg.loss, t["replayed"], denominator
                     )
-                    n = float(t["mask"].sum())
-                    # policy_loss averages over this micro-batch's tokens; re-weight to a mean over the
-                    # whole mini-batch (all ranks), and undo FSDP's averaging of gradients across ranks.
-                    (loss * n * self.world_size / max(global_tokens, 1.0)).backward()
-                    for key in _TOKEN_STATS:
-                        totals[key] += _sum_stat(stats, key) * n
-                    totals["loss"] += float(loss.detach()) * n
+                    # FSDP averages gradients over the ranks; the loss is already a share of the sum.
+                    (loss * self.world_size).backward()
+                    n_valid, n_mask = _sum_stat(stats, "n_tokens"), float(t["mask"].sum())
+                    for key in _VALID_STATS:
+                        totals[key] += _sum_stat(stats, key) * n_valid
+                    for key in _MASK_STATS:
+                        totals[key] += _sum_stat(stats, key) * n_mask
+                    totals["loss"] += float(loss.detach())
                     totals["entropy"] += float((entropy * t["mask"]).sum())
+                    totals["n_valid"] += n_valid
+                    totals["n_mask"] += n_mask
                     w_max = max(w_max, _sum_stat(stats, "w_max"))
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
                 grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
@@ -201,14 +232,21 @@ class PolicyTrainer:
         self.model.eval()
         self.step = step if step is not None else self.step + 1
         self.version += 1
-        metrics = {k: self._all_reduce(v) / max(all_tokens, 1.0) for k, v in totals.items()}
+        total = {k: self._all_reduce(v) for k, v in totals.items()}
+        n_valid, n_mask = max(total.pop("n_valid"), 1.0), max(total.pop("n_mask"), 1.0)
+        metrics = {key: total[key] / n_valid for key in _VALID_STATS}
+        metrics.update({key: total[key] / n_mask for key in _MASK_STATS})
         finite = [g for g in grad_norms if math.isfinite(g)]
+        new_tokens = sum(r.segment.n_sampled for r in rows if not r.replayed)
         metrics.update(
+            loss=total["loss"] / len(grad_norms),  # the mean over updates of each mini-batch's loss
+            entropy=total["entropy"] / n_mask,
             grad_norm=sum(finite) / len(finite) if finite else float("nan"),
             grad_skipped=float(len(grad_norms) - len(finite)),
             updates=float(len(grad_norms)),
             w_max=self._all_reduce(w_max, op="max"),
             trained_tokens=self._all_reduce(float(sum(r.segment.n_sampled for r in rows))),
+            new_trained_tokens=self._all_reduce(float(new_tokens)),
             rows=self._all_reduce(float(len(rows))),
             train_s=time.monotonic() - start,
             **self._engine_gap_metrics(gap, gap_max),
