@@ -123,3 +123,33 @@ def test_a_resume_restores_the_scheduler(tmp_path, ray_env):
         e["kind"] == "tail" and e.get("why") == "restored from the checkpoint" and e.get("limit") == 3
         for e in events
     )
+
+
+def test_a_run_ended_by_its_budget_checkpoints_the_scheduler_it_ended_with(tmp_path, ray_env):
+    """The final checkpoint of a run that ends on its time budget holds the scheduler as the run left
+    it (what a resume from it restores), not that of the last periodic checkpoint, or none."""
+    import json
+
+    from rich.console import Console
+
+    from reflow.recipes.agent_train import train
+    from reflow.recipes.run_log import read_metrics
+    from reflow.train.checkpoint import STATE_FILE, latest_checkpoint
+
+    overrides = [
+        *BASE,
+        f"out_dir={tmp_path}",
+        "run_name=r",
+        "mode=reflow",
+        "resources.slots=[rollout, train]",
+    ]
+    overrides += ["train.steps=1000", "train.seconds=20", "train.checkpoint_every=1000"]  # the budget ends it
+    train(load_config(None, [*overrides, "eval.episodes=0", "eval.pass_at=0"]), console=Console(quiet=True))
+    run_dir = tmp_path / "r"
+    steps = read_metrics(run_dir, "step")
+    assert steps and steps[-1]["step"] < 1000
+    state = json.loads((latest_checkpoint(run_dir / "checkpoints") / STATE_FILE).read_text())
+    saved = state["extra"]["run_state"]["scheduler"]
+    assert saved["roles"] == ["rollout", "train"]
+    assert [s for s, _ in saved["replay_share"]["history"]] == [r["step"] for r in steps]
+    assert len(saved["durations"]["group_s"]) >= 2 * len(steps)  # every step's groups arrived first

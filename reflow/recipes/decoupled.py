@@ -211,6 +211,9 @@ def decoupled_loop(pool: ResourcePool, config: RunConfig, log: RunLog, state: Ru
         if len(got.seconds) != tail.observed:  # groups arrived: the tail's quantiles move
             tail.observe(got.seconds, got.episode_seconds)
         state.rollout_busy_s = busy_before + workers.total()
+    # The run's final checkpoint (after the loop) keeps the state the run ended with: a run that ends
+    # on its time budget may have written no periodic checkpoint since its last changes, or none.
+    state.scheduler = saved()
     _log_events(log, state, "tail", tail.close(time.monotonic()))  # migrations measured since
     for ref in rollouts:  # the run is over: groups still in flight are not waited for
         with contextlib.suppress(Exception):
