@@ -172,6 +172,8 @@ def migrate(db: sqlite3.Connection, version: int) -> None:
 def _migrate_to_3(db: sqlite3.Connection) -> None:
     """Per-token versions read from the records (one pass over the file, once), the lineage columns
     (every older group is lineage 0, none quarantined) and float-noise spreads snapped to 0."""
+    # Schema 2's index of the same name lacks `quarantined`; CREATE INDEX IF NOT EXISTS would keep it.
+    db.execute("DROP INDEX IF EXISTS groups_by_consumed")
     have = {row[1] for row in db.execute("PRAGMA table_info(groups)")}
     for column in ("newest_version", "lineage", "quarantined"):
         if column not in have:
