@@ -32,9 +32,10 @@ def rewind_replay(pool: ResourcePool, state: RunState) -> int:
     """Bring the replay store back to the restored run state (a resume). Consumption is part of the
     checkpointed state: the steps after the checkpoint (every step, when there was none) never reached
     the restored weights, so the groups they consumed are handed out again (`rollback_consumption`).
-    Task seeds continue past every stored group's: the groups generated after the checkpoint are
-    fresh again, and a new group on the same task would weigh that task twice (harmless for
-    correctness, a skew all the same). Returns the number of consumptions undone."""
+    Task seeds continue past every stored group's: the groups generated after the checkpoint by its
+    own weights are fresh again (those of later weights are quarantined next, `start_lineage`), and a
+    new group on the same task would weigh that task twice (harmless for correctness, a skew all the
+    same). Returns the number of consumptions undone."""
     undone = ray.get(pool.replay.rollback_consumption.remote(state.step))
     last_seed = ray.get(pool.replay.max_meta.remote("seed"))
     if last_seed is not None:
@@ -46,8 +47,9 @@ def leftover_groups(pool: ResourcePool, state: RunState) -> list[GroupReport]:
     """Fresh groups generated with the current weights (a resume: stored after the checkpoint, or
     consumed by steps it never saw), in arrival order, zero-spread ones included (the step that
     trains the others retires them): sync mode trains on those before generating more. Fresh groups
-    of other versions were generated with weights lost in the crash (or are spares of an older
-    step): sync trains only on groups of the current weights, so they stay in the store untrained."""
+    of newer versions were made by weights lost in the crash and are quarantined (`start_lineage`);
+    those of older versions are spares of an older step: sync trains only on groups of the current
+    weights, so they stay in the store untrained."""
     ids = [g.group_id for g in ray.get(pool.replay.fresh.remote()) if g.policy_version == state.version]
     return [report_group(g.episodes, 0.0) for g in ray.get(pool.replay.groups.remote(ids))]
 

@@ -216,7 +216,7 @@ def step_record(
     rollout slots held since the previous count, see `RunState.count_rollout_slots`),
     training, IS health, staleness, idle ratios so far and the phase times. `staleness` per trained
     group: the trainer's version at the update (the weights the gradient is taken at, `state.version`
-    before the step) minus the version that generated the group (its oldest episode's start)."""
+    before the step) minus the group's version (the policy version of its oldest sampled token)."""
     rewards = [x for r in reports for x in r.rewards]
     successes = [x for r in reports for x in r.successes]
     turns = [float(x) for r in reports for x in r.turns]
