@@ -216,3 +216,31 @@ def test_kill_resume_benchmark(tmp_path):
         assert r["lost"] == 0 and r["over_trained"] == 0 and r["stale_log_rows"] == 0
         assert r["dead_trained"] == 0 and r["quarantine_mismatch"] == 0  # lost weights' groups never train
         assert r["trained"] > 0 and r["acknowledged"] >= r["trained"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "kept"),
+    [
+        ([], False),  # the elastic pool's layout comes back
+        (["elastic.min_rollout=2"], True),  # below the new minimum: the policy would refuse it
+    ],
+)
+def test_a_resume_takes_the_saved_slot_layout_only_where_the_elastic_pool_may_hold_it(
+    tmp_path, overrides, kept
+):
+    import json
+
+    from reflow.config import load_config
+    from reflow.recipes.checkpoints import resumed_config
+    from reflow.train.checkpoint import STATE_FILE
+
+    slots = ["rollout", "rollout", "train"]
+    config = load_config(
+        None, ["env.id=reflow/Calc-v0", "mode=reflow", f"resources.slots={slots}", *overrides]
+    )
+    saved = ["rollout", "train", "train"]  # the elastic pool had moved one slot to training
+    ckpt = tmp_path / "step-000004"
+    ckpt.mkdir()
+    state = {"step": 4, "version": 4, "extra": {"run_state": {"scheduler": {"roles": saved}}}}
+    (ckpt / STATE_FILE).write_text(json.dumps(state))
+    assert resumed_config(config, ckpt).resources.slots == (slots if kept else saved)

@@ -73,11 +73,15 @@ def start_lineage(pool: ResourcePool, state: RunState, *, resumed_from: bool | N
 def resumed_config(config: RunConfig, ckpt: Path) -> RunConfig:
     """`config` with the slot layout the run had at checkpoint `ckpt` (the elastic pool may have moved
     slots between roles), so the resumed pool starts as the run left off; a checkpoint without one
-    (sync mode, or older) keeps the configured layout."""
+    (sync mode, or older) keeps the configured layout, and so does a saved layout below the elastic
+    pool's minimums as configured now (its policy refuses to decide from such a split)."""
     from reflow.train.checkpoint import read_state
 
     roles = read_state(ckpt).get("extra", {}).get("run_state", {}).get("scheduler", {}).get("roles")
     if not roles or len(roles) != len(config.resources.slots) or roles == config.resources.slots:
+        return config
+    limits = config.elastic.policy_config()
+    if roles.count("rollout") < limits.min_rollout or roles.count("train") < limits.min_train:
         return config
     resumed = config.model_copy(deep=True)
     resumed.resources.slots = roles
