@@ -426,3 +426,20 @@ def test_the_loop_gives_a_drain_a_timeout():
     assert ElasticDriver(None, config, RunState(), 0.0).runtime.drain_timeout_s == 5.0
     with pytest.raises(Exception, match="drain_timeout_s"):
         load_config(None, [*BASE, "mode=reflow", "elastic.drain_timeout_s=0"])
+
+
+def test_an_abandoned_group_stored_before_the_kill_arrives_after_all(tmp_path, ray_env):
+    """A group the drain gave up on can still be stored before its worker is stopped: it is then in the
+    store (planned, trained) and must reach the loop as drained, not stay counted as abandoned."""
+    import ray
+    from replay_helpers import make_group
+
+    from reflow.replay.cycle import CycleConfig
+    from reflow.sched.replay_service import ReplayService
+    from reflow.sched.role_change import stored_after_all
+
+    ray.init(num_cpus=1, include_dashboard=False)
+    replay = ray.remote(ReplayService).remote(str(tmp_path / "replay.sqlite"), "r", CycleConfig())
+    ray.get(replay.add_group.remote(*make_group("late", [0.0, 1.0])))
+    late, gone = stored_after_all(replay, ["late", "never"])
+    assert [r.group_id for r in late] == ["late"] and late[0].has_spread and gone == ["never"]

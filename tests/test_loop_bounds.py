@@ -187,6 +187,7 @@ def test_a_step_with_no_sampled_token_keeps_the_version_and_pushes_nothing(tmp_p
     from reflow.records import Segment
     from reflow.replay.cycle import ReplayShare
     from reflow.sched.replay_service import PlannedBatch
+    from reflow.sched.workers import GroupReport
     from reflow.train.trainer import PolicyTrainer, TrainRow
 
     _, model, _ = build_tiny_engine_model(tmp_path / "model")
@@ -216,10 +217,12 @@ def test_a_step_with_no_sampled_token_keeps_the_version_and_pushes_nothing(tmp_p
         share = ReplayShare(decoupled.cycle_config(config))
         pool = type("Pool", (), {"rollout": [None]})()
         weights = Pushes()
-        decoupled._finish_step(pool, config, log, state, Clock(state), step, [], share, weights, dict)
+        report = GroupReport("a", 3, [0.0, 1.0], [False, True], ["ok", "ok"], [1, 1], 12, True, 1.0)
+        decoupled._finish_step(pool, config, log, state, Clock(state), step, [report], share, weights, dict)
         log.close()
     finally:
         ray.shutdown()
     assert (state.step, state.version, state.steps_no_signal) == (3, 3, 1)
     assert weights.published == [] and share.history == []
+    assert state.generated_tokens == 12  # the rollout that step took still counts
     assert read_metrics(tmp_path / "r", "no_signal")[-1]["groups"] == 2

@@ -141,6 +141,7 @@ def sync_loop(
         t2 = time.monotonic()
         state.trainer_busy_s += t2 - t1
         if not took_step(state, metrics):  # no sampled token: nothing trained, weights and version stay
+            state.generated_tokens += sum(r.generated_tokens for r in reports)
             ray.get(pool.replay.mark_consumed.remote([*ids, *retired], state.step + 1))
             clock.tick()
             log.write("no_signal", {"step": state.step, "groups": len(ids), "sampled_tokens": 0})
@@ -153,10 +154,10 @@ def sync_loop(
         log.step(
             step_record(state, len(pool.rollout), reports, len(groups), metrics, [0] * len(groups), times)
         )
-        if state.step % config.train.checkpoint_every == 0 or state.step == config.train.steps:
-            checkpoint(pool, config, state)
         if eval_due(config, state):
             evaluate(pool, config, log, state, clock)
+        if state.step % config.train.checkpoint_every == 0 or state.step == config.train.steps:
+            checkpoint(pool, config, state)  # after the evaluation point: the checkpoint holds it
 
 
 def collect_groups(

@@ -20,8 +20,6 @@ def checkpoint(pool: ResourcePool, config: RunConfig, state: RunState) -> None:
     `state.step` is trained: a resume keeps the store's consumptions of steps <= the checkpoint's
     and undoes the later ones (`rewind_replay`)."""
     run_state = asdict(state)
-    # snapshot weights live in Ray's object store: a resumed run cannot evaluate pre-crash snapshots
-    run_state["snapshots"] = [{k: v for k, v in p.items() if k != "weights"} for p in state.snapshots]
     extra = {"run_state": run_state}
     root = str(config.run_dir / "checkpoints")
     pool.save_checkpoint(root, extra, config.train.keep_checkpoints)

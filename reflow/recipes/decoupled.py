@@ -336,6 +336,7 @@ def _finish_step(
     train_s = time.monotonic() - step.started
     state.trainer_busy_s += train_s
     if not took_step(state, metrics):  # no sampled token: nothing trained, weights and version stay
+        state.generated_tokens += sum(r.generated_tokens for r in reports)  # (step_record's otherwise)
         clock.tick()
         groups = len(step.plan.group_ids)
         log.write("no_signal", {"step": state.step, "groups": groups, "sampled_tokens": 0})
@@ -362,11 +363,11 @@ def _finish_step(
         state, len(pool.rollout), reports, len(plan.group_ids), metrics, plan.staleness, extra
     )
     log.step({**record, **plan.metrics})
-    if state.step % config.train.checkpoint_every == 0 or state.step == config.train.steps:
-        state.scheduler = scheduler()
-        checkpoint(pool, config, state)
     if eval_due(config, state):  # a snapshot: rollout goes on, so no live point (the same clock)
         evaluate(pool, config, log, state, clock)
+    if state.step % config.train.checkpoint_every == 0 or state.step == config.train.steps:
+        state.scheduler = scheduler()  # after the evaluation point: the checkpoint holds it
+        checkpoint(pool, config, state)
 
 
 def _scheduler_state(

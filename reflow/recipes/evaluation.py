@@ -6,11 +6,15 @@ Every mode runs on the same clock. A live point stops the sync loop, whose rollo
 wait, so its time is taken off the training clock; in the decoupled modes rollout would go on
 generating while the clock stood still, so there every point is a snapshot (`deferred`), whatever
 `eval.deferred` says, and its cost (a copy of the weights) stays on the training clock in every mode.
+A snapshot is a file (`run_dir/snapshots/`, removed once evaluated), so the points taken before a
+crash are evaluated after the resumed run too.
 """
 
 from __future__ import annotations
 
+import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -40,9 +44,12 @@ def evaluate(pool: ResourcePool, config: RunConfig, log: RunLog, state: RunState
         "generated_tokens": state.generated_tokens,
     }
     if deferred(config):
-        point["weights"] = pool.state_dict_ref()
-        ray.wait([point["weights"]])
-        state.snapshots.append(point)
+        import torch
+
+        path = config.run_dir / "snapshots" / f"step-{state.step:06d}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(ray.get(pool.state_dict_ref()), path)
+        state.snapshots.append({**point, "weights": str(path)})
         return
     start = time.monotonic()
     _evaluate_point(pool, config, log, state, point)
@@ -98,11 +105,18 @@ def _evaluate_point(
 
 
 def evaluate_snapshots(pool: ResourcePool, config: RunConfig, log: RunLog, state: RunState) -> None:
-    """Deferred evaluation: load each snapshot into engine 0, evaluate it, restore nothing (the run is
-    over)."""
+    """Deferred evaluation: load each snapshot into engine 0, evaluate it and remove its file, restore
+    nothing (the run is over). A point whose file is gone (evaluated by an earlier incarnation that
+    crashed later, or a snapshot of an older ReFlow) is skipped."""
+    import torch
+
     for point in state.snapshots:
-        if "weights" not in point:  # taken before a resume: its weights are gone with that Ray session
+        path = Path(point.get("weights") or "")
+        if not path.is_file():
             continue
-        ray.get(pool.rollout[0].update_weights.remote(point["weights"], point["version"], rewind=True))
+        weights = ray.put(torch.load(path, weights_only=True))
+        ray.get(pool.rollout[0].update_weights.remote(weights, point["version"], rewind=True))
         _evaluate_point(pool, config, log, state, point)
+        path.unlink()
     state.snapshots = [{k: v for k, v in p.items() if k != "weights"} for p in state.snapshots]
+    shutil.rmtree(config.run_dir / "snapshots", ignore_errors=True)  # and those of steps a crash lost

@@ -137,7 +137,7 @@ class EpisodeRoute:
             "tokens": self.tokens,
             "seconds": max(0.0, self.clock() - self.started),
             # tokens of a request in flight come from its engine's weights (an abort keeps them)
-            "version": max(self.newest_version, self.engine.weight_version if self._part else -1),
+            "version": max(self.newest_version, self._part[0].weight_version if self._part else -1),
         }
 
     async def migrate(self, target: Engine, name: str) -> Migration:

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from reflow.sched.elastic import RoleChangeCost
-from reflow.sched.workers import GroupReport
+from reflow.sched.workers import GroupReport, report_group
 
 if TYPE_CHECKING:
     from reflow.sched.pool import ResourcePool, Slot
@@ -118,6 +118,8 @@ def move_slot(
 
     if to_role == "train":
         _stop(slot)
+        late, abandoned = stored_after_all(pool.replay, abandoned)
+        drained += late
         slot.role = "train"
         slot.actor = pool.place(slot, "train")
         ray.get(slot.actor.prepare.remote())
@@ -187,6 +189,20 @@ def _drain(
     # the actor is killed next, so its own clean-up never runs: free the admission slots here
     ray.get([pool.replay.end_group.remote(g) for g in abandoned])
     return drained, failed, abandoned
+
+
+def stored_after_all(replay: Any, abandoned: list[str]) -> tuple[list[GroupReport], list[str]]:
+    """(reports of the abandoned groups the worker stored before it was stopped, the ids of the rest),
+    asked of the replay actor once the worker is gone: a group can finish between the drain's timeout
+    and the kill, and then it is stored, planned and trained like any other, so it must arrive."""
+    late: list[GroupReport] = []
+    gone: list[str] = []
+    for gid in abandoned:
+        try:
+            late.append(report_group(ray.get(replay.group.remote(gid)).episodes, 0.0))
+        except KeyError:  # never stored: abandoned indeed
+            gone.append(gid)
+    return late, gone
 
 
 def _gather_state(pool: ResourcePool) -> tuple[Any, Any]:
