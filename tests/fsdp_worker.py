@@ -5,13 +5,14 @@
 ROWS is "plain" (`_rows`, sync mode) or "capped" (`_capped_rows`, off-policy, some tokens capped).
 """
 
+import os
 import sys
 
 import torch
 from test_trainer import _capped_rows, _capture_grads, _config, _model, _rows
 
 from reflow.train.batch import shard_groups
-from reflow.train.trainer import PolicyTrainer, init_distributed
+from reflow.train.trainer import PolicyTrainer, init_distributed, shutdown_distributed
 
 
 def main(
@@ -34,9 +35,13 @@ def main(
     state = trainer.full_state_dict()
     if rank == 0:
         torch.save({"state": state, "metrics": metrics, "grads": grads}, out)
-    torch.distributed.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":
     a = sys.argv[1:]
     main(int(a[0]), int(a[1]), int(a[2]), a[3], *map(int, a[4:6]), *a[6:])
+    # gloo's threads outlive the group (see shutdown_distributed): end without finalizing the interpreter
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -307,11 +307,13 @@ class TrainerRank:
         import reflow.train.trainer  # noqa: F401
 
     def leave(self) -> None:
-        """Leave the process group (every rank does, before a new group forms: `reform`)."""
-        import torch.distributed as dist
+        """Leave the process group (every rank does, before a new group forms: `reform`, or before its
+        slot goes to rollout). `shutdown_distributed`: a barrier, so no rank tears its connections down
+        under a peer still in a collective, then the group goes. The actor process itself is ended by
+        `ray.kill`, without the interpreter's finalization that gloo's threads do not survive."""
+        from reflow.train.trainer import shutdown_distributed
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown_distributed()
 
     def reform(self, rank: int, world_size: int, master: tuple[str, int] | None = None) -> None:
         """Join a new group as `rank` of `world_size` (the elastic pool's role change): leave the old one,

@@ -378,3 +378,18 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
             rank=rank,
             world_size=world_size,
         )
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group at the end of this rank's part in it; every rank calls it (a collective).
+
+    A barrier first: once it returns every rank has finished every collective, so none closes its
+    connections under a peer still working on one. Then the group is destroyed. Under FSDP2 that does
+    not stop gloo's threads: DTensor's caches keep the device mesh, and through it the group, alive
+    until the process ends. A process that ends after this should therefore end without the
+    interpreter's finalization (`os._exit`, as `ray.kill` ends the actors): a C++ thread that takes the
+    GIL while CPython finalizes is ended from inside C++ code, which aborts the process ("terminate
+    called without an active exception")."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
