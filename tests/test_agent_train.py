@@ -237,3 +237,30 @@ def test_a_round_without_reward_spread_is_not_a_step(tmp_path, ray_env):
     assert [r["steps_no_signal"] for r in skipped] == [1, 2] and all(r["step"] == 0 for r in skipped)
     with ReplayStore(run_dir / "replay.sqlite", "flat") as store:  # every group retired, none trained
         assert store.count(consumed=False) == 0 and store.reuse_histogram(spread=True) == {}
+
+
+def test_an_async_run_killed_and_resumed_evaluates_every_point(tmp_path):
+    """Evaluation points of the decoupled modes are weight snapshots evaluated after the run: the points
+    taken before a SIGKILL are evaluated after the resumed run too, each exactly once."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        "RAY_AUTH_MODE": "disabled",
+    }
+    args = [*BASE, f"out_dir={tmp_path}", "run_name=r", "mode=async", "train.steps=6", "eval.every=1"]
+    cli = [sys.executable, "-m", "reflow.cli", "agent-train"]
+    run_dir = tmp_path / "r"
+    proc = subprocess.Popen([*cli, *args], cwd=ROOT, env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    deadline = time.monotonic() + 240
+    while len(_steps(run_dir)) < 4 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    out = subprocess.run([*cli, "--resume", str(run_dir)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(r["step"] for r in rows if r["kind"] == "eval") == list(range(7))
+    assert not (run_dir / "snapshots").exists()
