@@ -30,6 +30,7 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -380,6 +381,10 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
         )
 
 
+LEAVE_TIMEOUT_S = 120.0
+"""How long a rank leaving its group waits for the others at the barrier (gloo) before it fails."""
+
+
 def shutdown_distributed() -> None:
     """Leave the process group at the end of this rank's part in it; every rank calls it (a collective).
 
@@ -391,5 +396,8 @@ def shutdown_distributed() -> None:
     GIL while CPython finalizes is ended from inside C++ code, which aborts the process ("terminate
     called without an active exception")."""
     if dist.is_initialized():
-        dist.barrier()
+        if dist.get_backend() == "gloo":  # bounded: a dead peer fails the barrier, not 30 minutes later
+            dist.monitored_barrier(timeout=timedelta(seconds=LEAVE_TIMEOUT_S))
+        else:
+            dist.barrier()
         dist.destroy_process_group()
