@@ -62,7 +62,7 @@ class TrainRow:
     advantage: float
     group_id: str = ""
     version: int = 0
-    """The policy version that generated the episode (for staleness)."""
+    """The oldest policy version among the row's sampled tokens (its staleness; `batch.oldest_version`)."""
     replayed: bool = False
     """The row's group was trained on by an earlier step (for `LossConfig.replay_clip`)."""
 
