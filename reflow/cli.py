@@ -185,16 +185,16 @@ def build_parser() -> argparse.ArgumentParser:
     train_cli.add_parser(sub)
     bench_modes.add_parser(sub)
 
-    from reflow.sandbox.cli import add_sandbox_commands  # `reflow sandbox ...` (issue F2)
+    from reflow.sandbox.cli import add_sandbox_commands  # `reflow sandbox ...`
 
     add_sandbox_commands(sub)
-    from reflow.replay.cli import add_parser as add_replay_commands  # `reflow replay ...` (issue F4)
+    from reflow.replay.cli import add_parser as add_replay_commands  # `reflow replay ...`
 
     add_replay_commands(sub)
-    from reflow.server import cli as server_cli  # `reflow serve-envs` (issue F6)
+    from reflow.server import cli as server_cli  # `reflow serve-envs`
 
     server_cli.add_parser(sub)
-    from reflow.sim import cli as sim_cli  # `reflow simulate` (issue F8); imports the simulator lazily
+    from reflow.sim import cli as sim_cli  # `reflow simulate`; imports the simulator lazily
 
     sim_cli.add_parser(sub)
     return parser

@@ -3,7 +3,7 @@
 Shared by rollout (which writes it), the replay store (which keeps it) and the trainer (which reads
 it); it imports only the env API.
 
-Field meanings follow DESIGN.md (Trajectory record). Everything is a plain dataclass of JSON types, so
+Field meanings are in docs/architecture.md (Records). Everything is a plain dataclass of JSON types, so
 records go to JSONL, Parquet or the replay store without conversion code.
 """
 

@@ -9,7 +9,7 @@ def _test_envs() -> None:
     register_test_envs()
 
 
-# ---- Sandboxes (issue F2): tests marked `docker` need an engine and the sandbox image, tests marked
+# ---- Sandboxes: tests marked `docker` need an engine and the sandbox image, tests marked
 # `bwrap` need bubblewrap. On a laptop without them those tests skip with the reason; with
 # REFLOW_REQUIRE_DOCKER=1 (CI provisions both) a missing engine, image or bwrap fails the run instead.
 

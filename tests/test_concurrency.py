@@ -1,4 +1,4 @@
-"""An engine's concurrency (issue F7 point 3, `reflow.rollout.concurrency`): the (concurrency, tokens/s)
+"""An engine's concurrency (`reflow.rollout.concurrency`): the (concurrency, tokens/s)
 curve read from health counters as arithmetic, the limit a worker keeps, and `SetConcurrency` applied
 to a worker changing that limit."""
 

@@ -1,4 +1,4 @@
-"""The elastic pool on Ray (F7 points 2 and 4): slots change role mid-run without losing a group or
+"""The elastic pool on Ray: slots change role mid-run without losing a group or
 turning an engine's weights back, the re-formed FSDP2 group trains like a freshly formed one, each
 change's cost is measured per part, and roles placed on different nodes of a multi-node cluster
 exchange weights through Ray's object store. The observation arithmetic is tested without Ray."""

@@ -1,4 +1,4 @@
-"""The loops' bounds (issue F10.7): the staleness the async/reflow admission allows, counted from the
+"""The loops' bounds: the staleness the async/reflow admission allows, counted from the
 engines' confirmed weights and the groups actually trained; the time budget as arithmetic.
 
 The simulations drive the real policy objects (`AdmissionControl`, `plan_batch` on a real ReplayStore)

@@ -1,4 +1,4 @@
-"""Episode migration (issue F7 point 3, `reflow.rollout.routing`): an episode's generation moves to another
+"""Episode migration (`reflow.rollout.routing`): an episode's generation moves to another
 engine by aborting its request and resubmitting the exact token prefix, and its record comes out as an
 unmigrated run's, token for token. First with a deterministic engine (migrate at a known token), then
 the done-when test with TorchEngine and the tiny model: greedy ids equal, log-probs re-scored."""

@@ -1,4 +1,4 @@
-"""The decoupled loop's elastic pool and tail scheduler (issue F7 points 2, 3): the tail gate's and the
+"""The decoupled loop's elastic pool and tail scheduler: the tail gate's and the
 re-indexing's arithmetic without Ray, then a real `agent-train` run in mode reflow whose elastic pool
 moves a slot to rollout and back mid-run without losing a group or turning an engine's weights back
 (the tail's per-episode actions applied: `test_tail_runtime.py`)."""

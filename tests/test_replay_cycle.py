@@ -1,4 +1,4 @@
-"""The dual replay data cycle (issue F5): admission control (eta = 0 is exactly sync), fresh-first batches
+"""The dual replay data cycle: admission control (eta = 0 is exactly sync), fresh-first batches
 with replay filling the gap (tau_max eviction, reuse cap K, zero-spread groups never trained), and the
 adaptive replay share. Real ReplayStore files in tmp_path, hand-built records, no model."""
 

@@ -1,4 +1,4 @@
-"""The replay store (issue F4): full-record round trip, the fresh and replay queries, consumption counts,
+"""The replay store: full-record round trip, the fresh and replay queries, consumption counts,
 in-flight groups, the cursor, thread safety, stats, and durability under kill -9."""
 
 import random

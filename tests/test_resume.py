@@ -1,4 +1,4 @@
-"""Resume keeps consumption in step with the checkpoint (issue F10.1): the store logs every consumption
+"""Resume keeps consumption in step with the checkpoint: the store logs every consumption
 per (group, step), a resumed run undoes those of steps after its checkpoint, and the dual cycle then
 hands those groups out again, with admission neither stalling nor running unbounded. The kill and
 resume benchmark (benchmarks/kill_resume.py) runs it end to end: `test_kill_resume_benchmark`."""

@@ -1,4 +1,4 @@
-"""Cost-model terms and runtime behaviours of the simulator added for F8's calibration: KV-pressure
+"""Cost-model terms and runtime behaviours of the simulator added for its calibration: KV-pressure
 slowdown, the colocated wake-up, the in-flight-dependent resume after a partial-rollout sync, and the
 runtime's tail gate (B + delta groups per batch); analytic where the term allows."""
 

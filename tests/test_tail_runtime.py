@@ -1,4 +1,4 @@
-"""The tail scheduler's per-episode actions applied (issue F7 point 3): the tail runtime's arithmetic
+"""The tail scheduler's per-episode actions applied: the tail runtime's arithmetic
 (loads in sequences, placeholders, migrations counted) and the gate applying `Migrate`, `FreeSlot` and
 `SetConcurrency` on a snapshot set by hand, without Ray; then a real `agent-train` run in mode reflow
 whose tail migrates episodes between engines, frees the source for the next batch and sets a

@@ -1,4 +1,4 @@
-"""Weight sync ordering (issue F10.2): engines never go back a version (TorchEngine and SGLangEngine),
+"""Weight sync ordering: engines never go back a version (TorchEngine and SGLangEngine),
 the loop's push tracker keeps one push per engine in flight, in order, coalescing to the newest
 version, and surfaces a failed push; admission counts from the versions the engines confirmed."""
 

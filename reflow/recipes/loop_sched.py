@@ -1,4 +1,4 @@
-"""The decoupled loop's two adaptive parts in mode reflow (issue F7): the elastic pool and the tail
+"""The decoupled loop's two adaptive parts in mode reflow: the elastic pool and the tail
 scheduler, each a thin driver around its pure policy (`reflow.sched.elastic`, `reflow.sched.tail`).
 
 - `ElasticDriver`: at a version boundary (no train step in flight) it turns the run's cumulative

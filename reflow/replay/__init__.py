@@ -1,4 +1,4 @@
-"""Replay: the durable, trajectory-level store of episode groups (issue F4).
+"""Replay: the durable, trajectory-level store of episode groups.
 
 `ReplayStore` keeps every accepted group with its full per-turn records in one SQLite file per run and
 answers the queries of the dual replay cycle (fresh groups in arrival order, replayable groups within

@@ -1,4 +1,4 @@
-"""The dual replay data cycle (issue F5): which groups may start, and which groups a train step uses.
+"""The dual replay data cycle: which groups may start, and which groups a train step uses.
 
 This module owns the data policy on top of `ReplayStore` (which only answers queries):
 

@@ -270,7 +270,7 @@ class ReplayStore:
                 (self.run,),
             ).fetchall()
 
-    # ---- admission control (F5): groups handed to rollout and not yet stored
+    # ---- admission control: groups handed to rollout and not yet stored
 
     def begin_group(self, group_id: str, policy_version: int) -> None:
         with self._write(durable=False) as db:

@@ -1,5 +1,5 @@
 """Episode routes: an episode keeps its env and record on its rollout worker while its generation moves
-to another worker's engine (the tail scheduler's `Migrate`, issue F7 point 3).
+to another worker's engine (the tail scheduler's `Migrate`).
 
 Each episode a worker runs gets an `EpisodeRoute`, the `Engine` its runner generates through: the
 worker's own engine (home) until a migration points it at another worker's (`RemoteEngine`, over that

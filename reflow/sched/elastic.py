@@ -1,4 +1,4 @@
-"""The elastic policy (issue F7 point 1): how many of the N device slots roll out and how many train.
+"""The elastic policy: how many of the N device slots roll out and how many train.
 
 A plain object, observations in, decisions out; no Ray, no clock, no I/O. Two drivers feed it the same
 `ElasticObservation`: the Ray runtime (measured on real actors) and the cluster simulator (simulated

@@ -1,4 +1,4 @@
-"""The tail policy (issue F7 point 1): what to do with a batch's episodes that are still running.
+"""The tail policy: what to do with a batch's episodes that are still running.
 
 A plain object, observations in, decisions out; no Ray, no clock, no I/O. The Ray runtime and the
 cluster simulator feed it the same `TailObservation` (in-flight episodes with their progress, the

@@ -1,4 +1,4 @@
-"""The tail scheduler's runtime on Ray (issue F7 point 3): it shows the tail policy the episodes in
+"""The tail scheduler's runtime on Ray: it shows the tail policy the episodes in
 flight and applies its `Migrate`, `FreeSlot` and `SetConcurrency` on the rollout workers.
 
 - `poll`: every `POLL_S` at most, each rollout worker's `progress()` (its episodes with their turns,

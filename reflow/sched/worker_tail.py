@@ -1,4 +1,4 @@
-"""What the tail scheduler asks of a rollout worker (issue F7 point 3): `WorkerTail`, which each
+"""What the tail scheduler asks of a rollout worker: `WorkerTail`, which each
 `RolloutWorker` holds and whose calls it serves as its own actor methods.
 
 A worker's episodes generate through routes (`reflow.rollout.routing`) over its engine behind a

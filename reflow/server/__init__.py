@@ -1,7 +1,7 @@
 """The hosted environment server and its client.
 
 This package owns the network face of environments: `reflow serve-envs` serves every registered env
-over HTTP with the session protocol of DESIGN.md (create, step with an idempotent turn index, get,
+over HTTP with a session protocol (create, step with an idempotent turn index, get,
 delete, env list, capacity, health), and `RemoteEnv` makes a served env look like any local one
 (`reflow.make("reflow/Remote-v0", url=..., env_id=...)`).
 

@@ -1,4 +1,4 @@
-"""The cluster simulator (issue F8): the project's own scheduling policies run against calibrated costs
+"""The cluster simulator: the project's own scheduling policies run against calibrated costs
 in simulated time, at cluster sizes this machine cannot reach.
 
 `config` (scenario YAML), `costs` (the cost model), `store` (the replay store's query surface in memory),

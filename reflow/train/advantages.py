@@ -6,8 +6,8 @@ training, never scored 0), the advantage of each episode relative to its group, 
 carries any signal at all (DAPO's dynamic sampling drops groups whose rewards are all equal, since
 their GRPO advantages are all zero and they only dilute the batch).
 
-Advantages are fixed per group when the group is created; replay reuses them (DESIGN.md, Dual replay
-data cycle). Everything here is plain Python on floats: no torch needed.
+Advantages are fixed per group when the group is created; replay reuses them (docs/architecture.md,
+"The idea"). Everything here is plain Python on floats: no torch needed.
 """
 
 from __future__ import annotations
