@@ -119,6 +119,7 @@ class ScriptedElastic:
 
     def __init__(self, cfg: object = None) -> None:
         self.cfg = cfg
+        self.last_move_version = None  # what a checkpoint saves of the policy
 
     def decide(self, obs):
         from reflow.sched.elastic import ElasticDecision
