@@ -24,6 +24,8 @@ from pydantic import (
     model_validator,
 )
 
+from reflow.errors import ConfigError
+
 # The lower layers' config dataclasses (standard library only: no Ray, no torch): sections hold them or
 # read their defaults, so each default is defined once.
 from reflow.replay.cycle import CycleConfig
@@ -31,10 +33,6 @@ from reflow.sched.elastic import ElasticConfig
 from reflow.sched.tail import TailConfig
 from reflow.sched.tasks import LearnabilityConfig
 from reflow.train.settings import LossConfig, TrainerConfig
-
-
-class ConfigError(ValueError):
-    """A configuration problem, with every offending key in the message."""
 
 
 class _Section(BaseModel):
