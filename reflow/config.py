@@ -5,6 +5,11 @@
 Unknown keys, wrong types and a missing or unregistered env are errors that name the offending key
 (`ConfigError`), never a silent default. Overrides use dotted keys; values are parsed as YAML scalars,
 so `train.lr=3e-4`, `warmstart.enabled=false` and `env.kwargs={max_steps: 2}` all work.
+
+Every section is a pydantic model (`_Section`). Where a lower layer's config dataclass defines a
+section's settings (the trainer's, the loss's, the replay cycle's, the scheduler policies'), the
+section takes that dataclass's fields (`_fields_of`: names, types and defaults, each defined once,
+there), the dataclass's own checks validate them, and the section adds only the run's own keys.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from pydantic import (
     model_validator,
 )
 
+from reflow.errors import ConfigError
+
 # The lower layers' config dataclasses (standard library only: no Ray, no torch): sections hold them or
 # read their defaults, so each default is defined once.
 from reflow.replay.cycle import CycleConfig
@@ -33,12 +40,50 @@ from reflow.sched.tasks import LearnabilityConfig
 from reflow.train.settings import LossConfig, TrainerConfig
 
 
-class ConfigError(ValueError):
-    """A configuration problem, with every offending key in the message."""
-
-
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class _DataclassSection(_Section):
+    """A section over a lower layer's config dataclass (`settings_class`), made by `_fields_of`: every
+    value it holds is checked by building the dataclass, whose errors name the field."""
+
+    settings_class: ClassVar[type]
+
+    @model_validator(mode="after")
+    def _settings_accept(self) -> _DataclassSection:
+        self._settings()
+        return self
+
+    def _settings(self, **given: Any) -> Any:
+        """The dataclass with this section's values (a nested section's built too) and `given` (the
+        fields the run sets elsewhere)."""
+        names = [f.name for f in dataclasses.fields(self.settings_class) if f.name in type(self).model_fields]
+        values = {name: getattr(self, name) for name in names}
+        for name, value in values.items():
+            if isinstance(value, _DataclassSection):
+                values[name] = value._settings()
+        return self.settings_class(**values, **given)
+
+
+def _fields_of(
+    config_class: type, *, base: type[_DataclassSection] = _DataclassSection, exclude: tuple[str, ...] = ()
+) -> Any:
+    """A section model with the fields of `config_class` (but `exclude`): their types, defaults and docs
+    (`metadata["doc"]`) read from the dataclass. A section subclasses it to add the run's own keys."""
+    hints = get_type_hints(config_class)
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(config_class):
+        if f.name in exclude:
+            continue
+        doc = f.metadata.get("doc")
+        if f.default is dataclasses.MISSING:
+            fields[f.name] = (hints[f.name], Field(default_factory=f.default_factory, description=doc))
+        else:
+            fields[f.name] = (hints[f.name], Field(f.default, description=doc))
+    section = create_model(f"{config_class.__name__}Fields", __base__=base, **fields)
+    section.settings_class = config_class
+    return section
 
 
 class EnvSection(_Section):
@@ -111,40 +156,21 @@ class RolloutSection(_Section):
     max_batch_size: int = Field(64, gt=0, description="concurrent sequences per engine")
 
 
-class TrainSection(_Section):
+class LossSection(_fields_of(LossConfig)):
+    """`train.loss:`, the policy loss: the fields of `reflow.train.settings.LossConfig`."""
+
+
+class TrainSection(_fields_of(TrainerConfig, exclude=("loss", "behaviour_is_prox", "temperature", "seed"))):
+    """`train:`, the RL phase: its length, checkpoints, advantages and loss, and the trainer's settings
+    (the fields of `reflow.train.settings.TrainerConfig`; `trainer_config` adds the ones the mode, the
+    rollout temperature and the run's seed decide)."""
+
     steps: int = Field(100, gt=0, description="train steps; sync rounds without reward spread count too")
     seconds: float | None = Field(
         None, gt=0, description="wall-clock budget of the RL phase: no step starts that would end past it"
     )
-    # The trainer's own settings: defaults defined once, in reflow.train.settings.TrainerConfig.
-    lr: float = Field(TrainerConfig.lr, gt=0)
-    weight_decay: float = Field(TrainerConfig.weight_decay, ge=0)
-    grad_clip: float = Field(TrainerConfig.grad_clip, gt=0)
-    micro_batch_tokens: int = Field(
-        TrainerConfig.micro_batch_tokens, gt=0, description="padded tokens per forward/backward"
-    )
-    minibatches: int = Field(
-        TrainerConfig.minibatches,
-        ge=1,
-        description="optimizer steps per batch, each on a shuffled share of its rows (PPO mini-batches)",
-    )
-    epochs: int = Field(
-        TrainerConfig.epochs, ge=1, description="passes over the batch's mini-batches (PPO epochs)"
-    )
-    prox_logp: Literal["recompute", "loglinear"] = Field(
-        TrainerConfig.prox_logp,
-        description="prox log-probs of the updates after the first: recomputed by a no-grad forward, or "
-        "interpolated between behaviour and current log-probs by each token's staleness (no forward)",
-    )
     advantage_scale: Literal["std", "none"] = "std"
-    bf16: bool | None = Field(
-        TrainerConfig.bf16,
-        description="bf16 autocast of the RL trainer (None: on GPU only; on CPU the engine samples in "
-        "fp32 and bf16 log-probs would drift from the engine's)",
-    )
-    loss: LossConfig = Field(
-        default_factory=LossConfig, description="the policy loss (reflow.train.settings.LossConfig)"
-    )
+    loss: LossSection = Field(default_factory=LossSection, description="the policy loss")
     engine_correction: bool = Field(
         False,
         description="sync mode: weight tokens by pi_prox / pi_engine (the engine's recorded log-probs, "
@@ -153,6 +179,10 @@ class TrainSection(_Section):
     )
     checkpoint_every: int = Field(5, gt=0)
     keep_checkpoints: int = Field(2, gt=0)
+
+    def trainer_config(self, *, behaviour_is_prox: bool, temperature: float, seed: int) -> TrainerConfig:
+        """The trainer's settings: this section's, and those the run decides elsewhere."""
+        return self._settings(behaviour_is_prox=behaviour_is_prox, temperature=temperature, seed=seed)
 
 
 class EvalSection(_Section):
@@ -204,24 +234,24 @@ class EvalSection(_Section):
         return self
 
 
-@dataclasses.dataclass
-class ReplaySection(CycleConfig):
+class ReplaySection(_fields_of(CycleConfig)):
     """`replay:`, the staleness bound of the decoupled modes (`eta`, admission control) and the dual
-    replay cycle of `reflow` mode: the fields of `reflow.replay.cycle.CycleConfig`, whose defaults,
-    meanings and checks are defined there, once."""
+    replay cycle of `reflow` mode (the fields of `reflow.replay.cycle.CycleConfig`)."""
 
-    __pydantic_config__: ClassVar[dict[str, Any]] = {"extra": "forbid"}  # unknown keys are errors
-    eta: int = 1
-    """async/reflow: rollouts run at most eta policy versions ahead of the engines' weights."""
+    eta: int = Field(
+        1, description="async/reflow: rollouts run at most eta policy versions ahead of the engines"
+    )
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.eta < 0:
-            raise ValueError(f"eta (max staleness in policy versions) must be >= 0, got {self.eta}")
+    @field_validator("eta")
+    @classmethod
+    def _eta_not_negative(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError(f"eta (max staleness in policy versions) must be >= 0, got {value}")
+        return value
 
     def cycle(self) -> CycleConfig:
         """The dual cycle's settings alone (every field but `eta`)."""
-        return CycleConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(CycleConfig)})
+        return self._settings()
 
 
 class RolePlacement(_Section):
@@ -287,12 +317,9 @@ class EngineSection(_Section):
         return self
 
 
-class _PolicySection(_Section):
-    """A scheduler policy's section: `enabled` plus the fields of the policy's own config dataclass,
-    whose defaults and descriptions are read from that dataclass (each default defined once) and
-    whose values it validates itself."""
+class _PolicySection(_DataclassSection):
+    """A scheduler policy's section: `enabled` and the fields of the policy's config dataclass."""
 
-    policy_config_class: ClassVar[type]
     enabled: bool | None = Field(
         None,
         description="None: on in mode reflow, off in sync and async; false switches it off for an ablation. "
@@ -300,14 +327,9 @@ class _PolicySection(_Section):
         "simulator drives the same policy object",
     )
 
-    @model_validator(mode="after")
-    def _policy_accepts(self) -> _PolicySection:
-        self.policy_config()  # the dataclass's own checks; a ValueError names the field
-        return self
-
     def policy_config(self) -> Any:
         """The policy's config dataclass with this section's values."""
-        return self.policy_config_class(**self.model_dump(exclude={"enabled"}))
+        return self._settings()
 
     def active(self, mode: str) -> bool:
         return policy_active(self.enabled, mode)
@@ -318,34 +340,22 @@ def policy_active(enabled: bool | None, mode: str) -> bool:
     return bool(enabled) if enabled is not None else mode == "reflow"
 
 
-def _policy_section(name: str, config_class: type, doc: str) -> type[_PolicySection]:
-    hints = get_type_hints(config_class)
-    fields: dict[str, Any] = {
-        f.name: (hints[f.name], Field(f.default, description=f.metadata.get("doc")))
-        for f in dataclasses.fields(config_class)
-    }
-    section = create_model(name, __base__=_PolicySection, __doc__=doc, **fields)
-    section.policy_config_class = config_class
-    return section
+class ElasticSection(_fields_of(ElasticConfig, base=_PolicySection)):
+    """The elastic pool's policy (sched.elastic)."""
 
 
-ElasticSection = _policy_section(
-    "ElasticSection", ElasticConfig, "The elastic pool's policy (sched.elastic)."
-)
-TailSection = _policy_section("TailSection", TailConfig, "The long-tail scheduler's policy (sched.tail).")
+class TailSection(_fields_of(TailConfig, base=_PolicySection)):
+    """The long-tail scheduler's policy (sched.tail)."""
 
 
-class TasksSection(_Section):
+class TasksSection(_fields_of(LearnabilityConfig)):
     """Which training tasks a round samples (`reflow.sched.tasks`): fresh seeds only, or with
     `learnability` a share of revisits of tasks whose recent pass rate is strictly between 0 and 1."""
 
     learnability: bool = Field(False, description="revisit learnable tasks (sync mode)")
-    revisit_share: float = Field(LearnabilityConfig.revisit_share, ge=0, le=1)
-    max_attempts: int = Field(LearnabilityConfig.max_attempts, ge=1)
-    window: int = Field(LearnabilityConfig.window, ge=1)
 
     def policy_config(self) -> LearnabilityConfig:
-        return LearnabilityConfig(**self.model_dump(exclude={"learnability"}))
+        return self._settings()
 
 
 class RunConfig(_Section):
@@ -364,11 +374,11 @@ class RunConfig(_Section):
     rollout: RolloutSection = Field(default_factory=RolloutSection)
     train: TrainSection = Field(default_factory=TrainSection)
     eval: EvalSection = Field(default_factory=EvalSection)
-    replay: ReplaySection = Field(default_factory=ReplaySection)  # type: ignore[arg-type]
+    replay: ReplaySection = Field(default_factory=ReplaySection)
     resources: ResourcesSection = Field(default_factory=ResourcesSection)
     engine: EngineSection = Field(default_factory=EngineSection)
-    elastic: ElasticSection = Field(default_factory=ElasticSection)  # type: ignore[valid-type]
-    tail: TailSection = Field(default_factory=TailSection)  # type: ignore[valid-type]
+    elastic: ElasticSection = Field(default_factory=ElasticSection)
+    tail: TailSection = Field(default_factory=TailSection)
     tasks: TasksSection = Field(default_factory=TasksSection)
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
@@ -428,7 +438,7 @@ def _describe(error: ValidationError) -> str:
     lines = []
     for err in error.errors():
         key = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):  # a model's / a dataclass's
+        if err["type"] == "extra_forbidden":
             lines.append(f"  {key}: unknown key")
         elif err["type"] == "missing":
             lines.append(f"  {key}: missing (required)")

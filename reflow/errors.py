@@ -4,8 +4,8 @@ Commands raise; `report` (called by `reflow.cli.main`, and by `python -m reflow.
 place that turns an exception into the line and the code:
 
 - exit 2, a usage error: the command line or the config must change. `UsageError`, and
-  `reflow.config.ConfigError` (a bad config file, override or run folder) are these; so are the
-  argument errors `Parser` reports.
+  `ConfigError` (a bad config file, override or run folder) are these; so are the argument errors
+  `Parser` reports.
 - exit 1, a runtime failure: the command was right, the work failed (a port in use, a failed build).
   `CommandError`, and any other exception: its type and message, and the traceback only when
   $REFLOW_TRACEBACK is set (a bug report wants it; a user reading an error does not).
@@ -34,6 +34,11 @@ class UsageError(CommandError):
     exit_code = 2
 
 
+class ConfigError(ValueError):
+    """A configuration problem (`reflow.config`, the simulator's scenarios), with every offending key in
+    the message (exit code 2)."""
+
+
 def one_line(message: str) -> str:
     """`message` on one line: a multi-line one (a config error lists a key a line) joined with '; '."""
     lines = [line.strip() for line in str(message).splitlines() if line.strip()]
@@ -49,8 +54,6 @@ def error_line(message: str) -> None:
 
 def report(e: BaseException) -> int:
     """Print `e` as the one error line and return the exit code it calls for."""
-    from reflow.config import ConfigError
-
     if isinstance(e, KeyboardInterrupt):
         sys.stderr.write("reflow: interrupted\n")
         return 130

@@ -1,4 +1,4 @@
-"""GRPO advantages, the infra-error training mask and zero-spread group filtering, on hand values."""
+"""GRPO advantages, the infra-error training mask and the zero-spread test of a group, on hand values."""
 
 import math
 
@@ -7,7 +7,6 @@ import pytest
 from reflow.train.advantages import (
     group_advantages,
     has_spread,
-    select_groups,
     train_mask,
     valid_for_training,
 )
@@ -75,24 +74,11 @@ def test_masking_can_remove_the_spread():
         group_advantages([1.0, 0.0], mask=[True])
 
 
-def test_select_groups_drops_zero_spread_and_reports_the_share():
+def test_zero_spread_groups_are_told_apart_with_their_masks():
+    # What a rollout worker reports per group (`has_spread`) and the step log's zero-spread share count.
     groups = [[1.0, 0.0], [1.0, 1.0], [0.0, 0.0, 0.0], [1.0, 0.0, 1.0]]
-    sel = select_groups(groups)
-    assert sel.keep == [True, False, False, True]
-    assert sel.kept == [0, 3]
-    assert (sel.n_groups, sel.n_zero_spread) == (4, 2)
-    assert sel.zero_spread_share == 0.5
+    assert [has_spread(g) for g in groups] == [True, False, False, True]
 
-    # The last group's only differing episode is an infra error: it joins the zero-spread share.
+    # The last group's only differing episode is an infra error: it joins the zero-spread groups.
     masks = [None, None, None, [True, False, True]]
-    sel = select_groups(groups, masks=masks)
-    assert sel.keep == [True, False, False, False]
-    assert sel.zero_spread_share == 0.75
-
-    # Measuring only: everything kept, share still reported.
-    sel = select_groups(groups, drop_zero_spread=False)
-    assert sel.keep == [True] * 4 and sel.zero_spread_share == 0.5
-
-    assert select_groups([]).zero_spread_share == 0.0
-    with pytest.raises(ValueError):
-        select_groups(groups, masks=[None])
+    assert [has_spread(g, mask=m) for g, m in zip(groups, masks, strict=True)] == [True, False, False, False]

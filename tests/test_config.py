@@ -120,3 +120,20 @@ def test_agent_train_refuses_to_clobber_an_existing_run(tmp_path, capsys):
     assert main(["agent-train", "--resume", str(tmp_path / "nothing")]) == 2
     assert "no run to resume" in capsys.readouterr().err
     assert main(["agent-train", "--config", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_a_section_over_a_lower_layers_dataclass_is_checked_and_built_by_it():
+    # the trainer's own settings: checked by TrainerConfig itself, so a trainer built without a run
+    # config refuses them too; the error names the section and the field
+    from reflow.train.settings import LossConfig, TrainerConfig
+
+    for override, message in [("train.lr=0", "lr must be > 0"), ("train.epochs=0", "epochs must be >= 1")]:
+        with pytest.raises(ConfigError, match=rf"train: .*{message}"):
+            load_config(None, ["env.id=reflow/Calc-v0", override])
+    with pytest.raises(ValueError, match="grad_clip must be > 0"):
+        TrainerConfig(grad_clip=0.0)
+    config = load_config(None, ["env.id=reflow/Calc-v0", "train.lr=3e-4", "train.loss.kind=tis", "seed=7"])
+    built = config.train.trainer_config(behaviour_is_prox=False, temperature=0.8, seed=config.seed)
+    assert built == TrainerConfig(
+        lr=3e-4, loss=LossConfig(kind="tis"), behaviour_is_prox=False, temperature=0.8, seed=7
+    )

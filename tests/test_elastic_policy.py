@@ -173,7 +173,8 @@ def test_bad_config_is_refused():
 
 
 def test_the_config_sections_hold_the_policies_own_defaults_and_checks():
-    from reflow.config import ConfigError, validate_config
+    from reflow.config import validate_config
+    from reflow.errors import ConfigError
     from reflow.sched.tail import TailConfig
 
     env = {"id": "reflow/Calc-v0"}

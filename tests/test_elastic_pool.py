@@ -154,7 +154,7 @@ def test_a_move_takes_a_slot_that_can_change_role_and_names_one_that_cannot():
 
 
 def test_placement_config_is_checked():
-    from reflow.config import ConfigError
+    from reflow.errors import ConfigError
 
     cfg = load_config(
         None, [*BASE, "resources.placement={rollout: {node_resource: a}, train: {strategy: SPREAD}}"]

@@ -226,3 +226,35 @@ def test_a_step_with_no_sampled_token_keeps_the_version_and_pushes_nothing(tmp_p
     assert weights.published == [] and share.history == []
     assert state.generated_tokens == 12  # the rollout that step took still counts
     assert read_metrics(tmp_path / "r", "no_signal")[-1]["groups"] == 2
+
+
+# ---- after a step
+
+
+def test_after_a_step_the_evaluation_point_comes_first_and_the_checkpoint_holds_it(monkeypatch):
+    """Both loops end a trained step with `after_step`: an evaluation point if one is due, then a
+    checkpoint if one is due (every `checkpoint_every` steps and at the last), which saves the
+    adaptive state `scheduler` gives (the decoupled loop's) and so holds the point taken before it."""
+    from reflow.config import load_config
+    from reflow.recipes import checkpoints
+    from reflow.recipes.run_state import RunState
+
+    done = []
+    monkeypatch.setattr(
+        checkpoints, "evaluate", lambda pool, config, log, state, clock: done.append(state.step)
+    )
+    monkeypatch.setattr(
+        checkpoints, "checkpoint", lambda pool, config, state: done.append(dict(state.scheduler))
+    )
+    overrides = ["eval.every=2", "train.checkpoint_every=4", "train.steps=5"]
+    config = load_config(None, ["env.id=reflow/Calc-v0", *overrides])
+    state = RunState()
+    for step in range(1, 6):
+        state.step = step
+        checkpoints.after_step(None, config, None, state, None, scheduler=lambda: {"saved_at": state.step})
+    assert done == [2, 4, {"saved_at": 4}, {"saved_at": 5}]
+
+    done.clear()  # the sync loop: no adaptive state to save
+    state = RunState(step=4)
+    checkpoints.after_step(None, config, None, state, None)
+    assert done == [4, {}]

@@ -183,7 +183,7 @@ def test_observations_follow_the_pools_round_robin_deal_over_workers():
 
 
 def test_learnability_is_a_sync_mode_switch():
-    from reflow.config import ConfigError
+    from reflow.errors import ConfigError
 
     with pytest.raises(ConfigError, match="mode sync only"):
         _config("tasks.learnability=true", "mode=reflow")

@@ -16,7 +16,7 @@ import reflow.sched.elastic as elastic
 import reflow.sched.tail as tail
 import reflow.sim.engine as engine
 import reflow.sim.training as training
-from reflow.config import ConfigError
+from reflow.errors import ConfigError
 from reflow.sim.config import load_scenario, validate_scenario
 from reflow.sim.costs import decode_model, sync_s, train_s
 

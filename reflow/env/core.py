@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from reflow.env.tasks import Task, load_tasks
@@ -265,8 +265,3 @@ class Wrapper(Env):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__}{self.env!r}>"
-
-
-def to_jsonable(obj: Any) -> Any:
-    """Dataclasses (Observation, StepResult, ...) as plain JSON-ready dicts."""
-    return json.loads(json.dumps(asdict(obj), default=str))

@@ -43,10 +43,6 @@ def get_parser(name: str) -> ParseFn:
         raise KeyError(f"unknown tool-call parser {name!r}; registered: {sorted(_PARSERS)}") from None
 
 
-def parser_names() -> list[str]:
-    return sorted(_PARSERS)
-
-
 _THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
 
 

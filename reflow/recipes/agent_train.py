@@ -20,13 +20,14 @@ from rich.console import Console
 
 from reflow.config import RunConfig, dump_config
 from reflow.recipes.checkpoints import (
+    after_step,
     checkpoint,
     leftover_groups,
     resumed_config,
     rewind_replay,
     start_lineage,
 )
-from reflow.recipes.evaluation import eval_due, evaluate, evaluate_snapshots, measure_headroom
+from reflow.recipes.evaluation import evaluate, evaluate_snapshots, measure_headroom
 from reflow.recipes.run_log import RunLog, plot_run, run_summary, step_record, summary_table
 from reflow.recipes.run_state import (
     Clock,
@@ -154,10 +155,7 @@ def sync_loop(
         log.step(
             step_record(state, len(pool.rollout), reports, len(groups), metrics, [0] * len(groups), times)
         )
-        if eval_due(config, state):
-            evaluate(pool, config, log, state, clock)
-        if state.step % config.train.checkpoint_every == 0 or state.step == config.train.steps:
-            checkpoint(pool, config, state)  # after the evaluation point: the checkpoint holds it
+        after_step(pool, config, log, state, clock)
 
 
 def collect_groups(

@@ -1,16 +1,21 @@
-"""Checkpoints and resume: what a checkpoint saves besides the trainer (the run state, the replay cursor)
-and how a resumed run brings the replay store back to it (consumptions undone, leftover groups).
+"""Checkpoints and resume: what a checkpoint saves besides the trainer (the run state, the replay cursor),
+when the loops take one (`after_step`, with the evaluation point it holds), and how a resumed run
+brings the replay store back to it (consumptions undone, leftover groups).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import ray
 
 from reflow.config import RunConfig
-from reflow.recipes.run_state import RunState
+from reflow.recipes.evaluation import eval_due, evaluate
+from reflow.recipes.run_log import RunLog
+from reflow.recipes.run_state import Clock, RunState
 from reflow.sched.pool import ResourcePool
 from reflow.sched.workers import GroupReport, report_group
 
@@ -24,6 +29,26 @@ def checkpoint(pool: ResourcePool, config: RunConfig, state: RunState) -> None:
     root = str(config.run_dir / "checkpoints")
     pool.save_checkpoint(root, extra, config.train.keep_checkpoints)
     ray.get(pool.replay.set_cursor.remote("run_state", {"step": state.step, "next_seed": state.next_seed}))
+
+
+def after_step(
+    pool: ResourcePool,
+    config: RunConfig,
+    log: RunLog,
+    state: RunState,
+    clock: Clock,
+    scheduler: Callable[[], dict[str, Any]] | None = None,
+) -> None:
+    """What both loops do after a trained step, in this order: an evaluation point if one is due (live
+    in sync mode; in async and reflow a weight snapshot evaluated after the run: `evaluation.evaluate`),
+    then a checkpoint if one is due, which so holds that point. `scheduler` gives the adaptive state a
+    checkpoint saves besides (`RunState.scheduler`: the decoupled loop's)."""
+    if eval_due(config, state):
+        evaluate(pool, config, log, state, clock)
+    if state.step % config.train.checkpoint_every == 0 or state.step == config.train.steps:
+        if scheduler is not None:
+            state.scheduler = scheduler()
+        checkpoint(pool, config, state)
 
 
 def rewind_replay(pool: ResourcePool, state: RunState) -> int:

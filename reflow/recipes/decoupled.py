@@ -34,8 +34,7 @@ from typing import Any
 import ray
 
 from reflow.config import RunConfig
-from reflow.recipes.checkpoints import checkpoint
-from reflow.recipes.evaluation import eval_due, evaluate
+from reflow.recipes.checkpoints import after_step
 from reflow.recipes.loop_sched import QUANTILE_WINDOW, ElasticDriver, GroupInFlight, TailGate, moved_positions
 from reflow.recipes.run_log import RunLog, step_record
 from reflow.recipes.run_state import Clock, RunState, next_seeds, out_of_time, steps_left, took_step
@@ -330,8 +329,8 @@ def _finish_step(
     weights: WeightPusher,
     scheduler: Callable[[], dict[str, Any]],
 ) -> None:
-    """The step is trained: version up, its weights on their way to the engines, log, checkpoint (with
-    the `scheduler` state) and evaluate."""
+    """The step is trained: version up, its weights on their way to the engines, log, then evaluate and
+    checkpoint as due (`after_step`; the checkpoint with the `scheduler` state)."""
     metrics = ray.get(step.refs)[0]
     train_s = time.monotonic() - step.started
     state.trainer_busy_s += train_s
@@ -363,11 +362,7 @@ def _finish_step(
         state, len(pool.rollout), reports, len(plan.group_ids), metrics, plan.staleness, extra
     )
     log.step({**record, **plan.metrics})
-    if eval_due(config, state):  # a snapshot: rollout goes on, so no live point (the same clock)
-        evaluate(pool, config, log, state, clock)
-    if state.step % config.train.checkpoint_every == 0 or state.step == config.train.steps:
-        state.scheduler = scheduler()  # after the evaluation point: the checkpoint holds it
-        checkpoint(pool, config, state)
+    after_step(pool, config, log, state, clock, scheduler)  # points are snapshots: rollout goes on
 
 
 def _scheduler_state(

@@ -8,7 +8,8 @@ import shutil
 import signal
 from pathlib import Path
 
-from reflow.config import ConfigError, load_config
+from reflow.config import load_config
+from reflow.errors import ConfigError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 from reflow.config import RunConfig
 from reflow.models.presets import cache_dir, resolve_model_path
+from reflow.recipes.run_state import RunState
 from reflow.recipes.warmstart import env_demo_kwargs, warmstart
 from reflow.rollout.collect import DEMO_SEED_BASE
 
 if TYPE_CHECKING:
-    from reflow.recipes.agent_train import RunState
     from reflow.recipes.run_log import RunLog
 
 
@@ -98,7 +98,6 @@ def prepare_model(
     config: RunConfig, run_dir: Path, log: RunLog, *, resume: bool
 ) -> tuple[str, RunState, Path | None]:
     """(model path for the actors, the starting run state, the checkpoint to restore or None)."""
-    from reflow.recipes.agent_train import RunState
     from reflow.train.checkpoint import latest_checkpoint
 
     if resume:

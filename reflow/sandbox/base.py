@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 T = TypeVar("T")
@@ -56,9 +56,6 @@ class SandboxLimits:
     max_call_timeout_s: float = 600.0
     episode_timeout_s: float | None = None  # default per episode (pool.acquire can set it per lease)
     output_limit: int = 8192  # bytes kept per stream per call
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass

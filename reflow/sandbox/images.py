@@ -354,11 +354,3 @@ def build_image(
     image.reload()
     name = _tag_latest(image, recipe, h)
     return BuildResult(name, h, method, False, time.monotonic() - start, image.attrs["Size"] / 1e6, log)
-
-
-def image_available(client: Any, image: str = DEFAULT_IMAGE) -> bool:
-    try:
-        client.images.get(image)
-        return True
-    except Exception:
-        return False

@@ -229,9 +229,6 @@ class SandboxPool:
         if not future.cancelled() and future.exception() is None:
             self.release(future.result())
 
-    async def arelease(self, sandbox: BaseSandbox, *, discard: bool = False) -> None:
-        self.release(sandbox, discard=discard)
-
     # ---- making and removing --------------------------------------------------------------------------
     def _create(self, deadline: float | None = None) -> BaseSandbox:
         if not self.bucket.take(deadline):

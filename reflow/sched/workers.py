@@ -265,7 +265,7 @@ class TrainerRank:
         from transformers.utils import logging as hf_logging
 
         from reflow.models import load_model
-        from reflow.train.trainer import PolicyTrainer, TrainerConfig, init_distributed
+        from reflow.train.trainer import PolicyTrainer, init_distributed
 
         hf_logging.disable_progress_bar()  # a progress bar per checkpoint save is noise in the run log
         config = self.config
@@ -277,25 +277,12 @@ class TrainerRank:
             backend = "nccl" if config.resources.device == "cuda" else "gloo"
             init_distributed(self.rank, self.world_size, master[0], master[1], backend)
         model, self.tokenizer = load_model(self.model_path, device=config.resources.device)
-        t = config.train
-        self.trainer = PolicyTrainer(
-            model,
-            self.tokenizer.pad_token_id,
-            TrainerConfig(
-                lr=t.lr,
-                weight_decay=t.weight_decay,
-                grad_clip=t.grad_clip,
-                micro_batch_tokens=t.micro_batch_tokens,
-                minibatches=t.minibatches,
-                epochs=t.epochs,
-                prox_logp=t.prox_logp,
-                loss=t.loss,
-                behaviour_is_prox=config.mode == "sync" and not t.engine_correction,
-                temperature=config.rollout.temperature or 1.0,
-                bf16=t.bf16,
-                seed=config.seed,
-            ),
+        settings = config.train.trainer_config(
+            behaviour_is_prox=config.mode == "sync" and not config.train.engine_correction,
+            temperature=config.rollout.temperature or 1.0,
+            seed=config.seed,
         )
+        self.trainer = PolicyTrainer(model, self.tokenizer.pad_token_id, settings)
 
     def prepare(self) -> None:
         """Import what `setup` needs (torch, transformers, the trainer): a rank started by a role change

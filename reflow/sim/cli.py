@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from reflow.errors import ConfigError
+
 MODES = ("sync", "one_step_off", "async", "reflow")
 _SHOWN = (
     "seconds_per_step",
@@ -109,8 +111,6 @@ def _fail(message: str, code: int = 2) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from reflow.config import ConfigError
-
     try:
         if args.validate:
             return _validate(args)

@@ -14,7 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from reflow.config import ConfigError, _describe, apply_overrides
+from reflow.config import _describe, apply_overrides
+from reflow.errors import ConfigError
 
 Mode = Literal["sync", "one_step_off", "async", "reflow"]
 

@@ -14,7 +14,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from reflow.sim.config import DecodeCost, GpuSpec, ModelSpec, Scenario, SyncCost, TrainCost, Workload
+from reflow.sim.config import DecodeCost, GpuSpec, ModelSpec, SyncCost, TrainCost, Workload
 
 GB = 1e9
 
@@ -225,14 +225,3 @@ def load_lengths(path: str) -> list[int]:
     if not out:
         raise ValueError(f"{path}: no episodes with generated tokens")
     return out
-
-
-def scenario_costs(s: Scenario) -> dict[str, float]:
-    """Headline figures of a scenario's cost model, for the printed tables."""
-    d = decode_model(s.gpu, s.model, s.decode)
-    return {
-        "decode_tok_s_b1": d.tokens_per_s(1, 1000),
-        "decode_tok_s_b64": d.tokens_per_s(64, 64 * 2000),
-        "kv_capacity_tokens": d.kv_capacity_tokens,
-        "sync_s": sync_s(s.model, s.sync, colocated=False),
-    }

@@ -18,7 +18,8 @@ from typing import Any
 
 import yaml
 
-from reflow.config import ConfigError, apply_overrides
+from reflow.config import apply_overrides
+from reflow.errors import ConfigError
 from reflow.sim.config import _read_yaml, validate_scenario
 from reflow.sim.engine import simulate
 

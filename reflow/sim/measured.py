@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from reflow.config import ConfigError
+from reflow.errors import ConfigError
 from reflow.sim.costs import GroupShape, SampleShape
 
 FIGURES = ("steps_per_s", "trained_tokens_per_s", "rollout_idle_ratio", "trainer_idle_ratio")

@@ -1,4 +1,4 @@
-"""Group-relative (GRPO) advantages, the infra-error training mask, and zero-spread group filtering.
+"""Group-relative (GRPO) advantages, the infra-error training mask, and the zero-spread test of a group.
 
 This module owns the learning signal of one trajectory group: which episodes count (an episode whose
 status is `infra_error` failed for reasons outside the policy's control, so it is masked out of
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 from reflow.records import MASKED_STATUSES, reward_spread
@@ -69,43 +68,3 @@ def group_advantages(
     if scale == "std":
         denom = math.sqrt(math.fsum((r - mean) ** 2 for r in valid) / len(valid)) + eps
     return [(float(r) - mean) / denom if k else 0.0 for r, k in zip(rewards, keep, strict=True)]
-
-
-@dataclass
-class GroupSelection:
-    """Which groups carry signal. `zero_spread_share` (log it every step) is the fraction of all
-    groups without spread; a group with fewer than two unmasked episodes counts as zero-spread."""
-
-    keep: list[bool]
-    n_groups: int
-    n_zero_spread: int
-
-    @property
-    def zero_spread_share(self) -> float:
-        return self.n_zero_spread / self.n_groups if self.n_groups else 0.0
-
-    @property
-    def kept(self) -> list[int]:
-        """Indices of the kept groups."""
-        return [i for i, k in enumerate(self.keep) if k]
-
-
-def select_groups(
-    groups_rewards: Sequence[Sequence[float]],
-    *,
-    masks: Sequence[Sequence[bool] | None] | None = None,
-    drop_zero_spread: bool = True,
-) -> GroupSelection:
-    """Zero-spread filtering (DAPO dynamic sampling): keep the groups whose unmasked rewards differ.
-
-    `masks[i]` is group i's per-episode training mask (None: all count). With
-    `drop_zero_spread=False` every group is kept and only the share is measured.
-    """
-    if masks is not None and len(masks) != len(groups_rewards):
-        raise ValueError(f"{len(masks)} masks for {len(groups_rewards)} groups")
-    spread = [
-        has_spread(rewards, mask=None if masks is None else masks[i])
-        for i, rewards in enumerate(groups_rewards)
-    ]
-    keep = spread if drop_zero_spread else [True] * len(spread)
-    return GroupSelection(keep=keep, n_groups=len(spread), n_zero_spread=spread.count(False))

@@ -1,19 +1,16 @@
 """The trainer's and the loss's settings: plain dataclasses with no torch, so that the run config
-(`reflow.config`: `train:` and `train.loss:`) holds them or reads their defaults, each defined once
-here, without importing torch. `reflow.train.trainer` and `reflow.train.losses` use them."""
+(`reflow.config`) builds its `train:` and `train.loss:` sections from their fields without importing
+torch: each default and check is defined once, here. `reflow.train.trainer` and `reflow.train.losses`
+use them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Literal
 
 
 @dataclass
 class LossConfig:
-    __pydantic_config__: ClassVar[dict[str, Any]] = {
-        "extra": "forbid"
-    }  # as the `train.loss` config section: unknown keys are errors
-
     kind: Literal["decoupled_ppo", "tis"] = "decoupled_ppo"
     clip_eps: float = 0.2
     """Lower clip: u is clipped at 1 - clip_eps."""
@@ -51,7 +48,9 @@ class TrainerConfig:
     lr: float = 1e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
+    """The largest gradient norm; larger ones are scaled down to it."""
     micro_batch_tokens: int = 16384
+    """Padded tokens per forward/backward."""
     loss: LossConfig = field(default_factory=LossConfig)
     behaviour_is_prox: bool = True
     """Sync mode: the sampling policy is the pre-update policy, so the IS weight is exactly 1 and the
@@ -61,7 +60,8 @@ class TrainerConfig:
     temperature: float = 1.0
     """The sampling temperature: log-probs are taken under the same tempered distribution."""
     bf16: bool | None = None
-    """bf16 autocast; None: on GPU only (see PolicyTrainer.__init__)."""
+    """bf16 autocast; None: on GPU only (see PolicyTrainer.__init__): on CPU the engine samples in fp32,
+    and bf16 log-probs would drift from the engine's."""
     seed: int = 0
     minibatches: int = 1
     """Optimizer steps per batch: the rows are split into this many shuffled mini-batches (verl's
@@ -76,5 +76,13 @@ class TrainerConfig:
     The first update always uses the exact, free detached log-probs of its own forward pass."""
 
     def __post_init__(self) -> None:
+        for name in ("lr", "grad_clip", "micro_batch_tokens"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        for name in ("minibatches", "epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.prox_logp not in ("recompute", "loglinear"):
             raise ValueError(f"prox_logp must be 'recompute' or 'loglinear', got {self.prox_logp!r}")
