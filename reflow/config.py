@@ -26,10 +26,10 @@ from pydantic import (
 
 # The lower layers' config dataclasses (standard library only: no Ray, no torch): sections hold them or
 # read their defaults, so each default is defined once.
-from reflow.replay.cycle import CycleConfig
-from reflow.sched.elastic import ElasticConfig
-from reflow.sched.tail import TailConfig
-from reflow.sched.tasks import LearnabilityConfig
+from reflow.policy.dual_cycle import CycleConfig
+from reflow.policy.elastic import ElasticConfig
+from reflow.policy.tail import TailConfig
+from reflow.policy.task_selection import LearnabilityConfig
 from reflow.train.settings import LossConfig, TrainerConfig
 
 
@@ -161,7 +161,7 @@ class EvalSection(_Section):
         None,
         gt=0,
         description="seconds of training wall-clock between held-out evaluations, in place of `every` "
-        "(reflow.sched.eval_schedule): a mode with more steps per second is not evaluated more often",
+        "(reflow.policy.eval_schedule): a mode with more steps per second is not evaluated more often",
     )
     episodes: int = Field(100, ge=0, description="held-out tasks per evaluation")
     pass_at: int = Field(
@@ -207,7 +207,7 @@ class EvalSection(_Section):
 @dataclasses.dataclass
 class ReplaySection(CycleConfig):
     """`replay:`, the staleness bound of the decoupled modes (`eta`, admission control) and the dual
-    replay cycle of `reflow` mode: the fields of `reflow.replay.cycle.CycleConfig`, whose defaults,
+    replay cycle of `reflow` mode: the fields of `reflow.policy.dual_cycle.CycleConfig`, whose defaults,
     meanings and checks are defined there, once."""
 
     __pydantic_config__: ClassVar[dict[str, Any]] = {"extra": "forbid"}  # unknown keys are errors
@@ -266,7 +266,7 @@ class ResourcesSection(_Section):
 
 
 class EngineSection(_Section):
-    """The rollout workers' inference engine (`reflow.sched.engines`)."""
+    """The rollout workers' inference engine (`reflow.runtime.engines`)."""
 
     kind: Literal["torch", "sglang"] = Field("torch", description="torch: in-process; sglang: SGLang servers")
     urls: list[str] = Field(default_factory=list, description="running SGLang servers, shared by all workers")
@@ -296,7 +296,7 @@ class _PolicySection(_Section):
     enabled: bool | None = Field(
         None,
         description="None: on in mode reflow, off in sync and async; false switches it off for an ablation. "
-        "`agent-train` applies it in the decoupled loop (`reflow.recipes.loop_sched`); the cluster "
+        "`agent-train` applies it in the decoupled loop (`reflow.runtime`); the cluster "
         "simulator drives the same policy object",
     )
 
@@ -330,13 +330,13 @@ def _policy_section(name: str, config_class: type, doc: str) -> type[_PolicySect
 
 
 ElasticSection = _policy_section(
-    "ElasticSection", ElasticConfig, "The elastic pool's policy (sched.elastic)."
+    "ElasticSection", ElasticConfig, "The elastic pool's policy (policy.elastic)."
 )
-TailSection = _policy_section("TailSection", TailConfig, "The long-tail scheduler's policy (sched.tail).")
+TailSection = _policy_section("TailSection", TailConfig, "The long-tail scheduler's policy (policy.tail).")
 
 
 class TasksSection(_Section):
-    """Which training tasks a round samples (`reflow.sched.tasks`): fresh seeds only, or with
+    """Which training tasks a round samples (`reflow.policy.task_selection`): fresh seeds only, or with
     `learnability` a share of revisits of tasks whose recent pass rate is strictly between 0 and 1."""
 
     learnability: bool = Field(False, description="revisit learnable tasks (sync mode)")

@@ -11,8 +11,8 @@ import ray
 
 from reflow.config import RunConfig
 from reflow.recipes.run_state import RunState
-from reflow.sched.pool import ResourcePool
-from reflow.sched.workers import GroupReport, report_group
+from reflow.runtime.pool import ResourcePool
+from reflow.runtime.workers import GroupReport, report_group
 
 
 def checkpoint(pool: ResourcePool, config: RunConfig, state: RunState) -> None:
