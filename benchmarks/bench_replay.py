@@ -36,9 +36,9 @@ from pathlib import Path
 
 import ray
 
+from reflow.policy.dual_cycle import CycleConfig
 from reflow.records import EpisodeRecord, Segment, TurnRecord
-from reflow.replay.cycle import CycleConfig
-from reflow.sched.replay_service import REPLAY_THREADS, ReplayService
+from reflow.runtime.replay_service import REPLAY_THREADS, ReplayService
 from reflow.train.batch import shard_groups
 
 

@@ -26,7 +26,7 @@ import ray
 
 from reflow.config import load_config
 from reflow.models.presets import resolve_model_path
-from reflow.sched.pool import ResourcePool
+from reflow.runtime.pool import ResourcePool
 
 PARTS = ("drain_s", "actor_start_s", "weight_load_s", "group_reform_s", "cost_s", "wall_s")
 

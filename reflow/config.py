@@ -33,10 +33,10 @@ from reflow.errors import ConfigError
 
 # The lower layers' config dataclasses (standard library only: no Ray, no torch): sections hold them or
 # read their defaults, so each default is defined once.
-from reflow.replay.cycle import CycleConfig
-from reflow.sched.elastic import ElasticConfig
-from reflow.sched.tail import TailConfig
-from reflow.sched.tasks import LearnabilityConfig
+from reflow.policy.dual_cycle import CycleConfig
+from reflow.policy.elastic import ElasticConfig
+from reflow.policy.tail import TailConfig
+from reflow.policy.task_selection import LearnabilityConfig
 from reflow.train.settings import LossConfig, TrainerConfig
 
 
@@ -191,7 +191,7 @@ class EvalSection(_Section):
         None,
         gt=0,
         description="seconds of training wall-clock between held-out evaluations, in place of `every` "
-        "(reflow.sched.eval_schedule): a mode with more steps per second is not evaluated more often",
+        "(reflow.policy.eval_schedule): a mode with more steps per second is not evaluated more often",
     )
     episodes: int = Field(100, ge=0, description="held-out tasks per evaluation")
     pass_at: int = Field(
@@ -236,7 +236,7 @@ class EvalSection(_Section):
 
 class ReplaySection(_fields_of(CycleConfig)):
     """`replay:`, the staleness bound of the decoupled modes (`eta`, admission control) and the dual
-    replay cycle of `reflow` mode (the fields of `reflow.replay.cycle.CycleConfig`)."""
+    replay cycle of `reflow` mode (the fields of `reflow.policy.dual_cycle.CycleConfig`)."""
 
     eta: int = Field(
         1, description="async/reflow: rollouts run at most eta policy versions ahead of the engines"
@@ -296,7 +296,7 @@ class ResourcesSection(_Section):
 
 
 class EngineSection(_Section):
-    """The rollout workers' inference engine (`reflow.sched.engines`)."""
+    """The rollout workers' inference engine (`reflow.runtime.engines`)."""
 
     kind: Literal["torch", "sglang"] = Field("torch", description="torch: in-process; sglang: SGLang servers")
     urls: list[str] = Field(default_factory=list, description="running SGLang servers, shared by all workers")
@@ -323,7 +323,7 @@ class _PolicySection(_DataclassSection):
     enabled: bool | None = Field(
         None,
         description="None: on in mode reflow, off in sync and async; false switches it off for an ablation. "
-        "`agent-train` applies it in the decoupled loop (`reflow.recipes.loop_sched`); the cluster "
+        "`agent-train` applies it in the decoupled loop (`reflow.runtime`); the cluster "
         "simulator drives the same policy object",
     )
 
@@ -341,15 +341,15 @@ def policy_active(enabled: bool | None, mode: str) -> bool:
 
 
 class ElasticSection(_fields_of(ElasticConfig, base=_PolicySection)):
-    """The elastic pool's policy (sched.elastic)."""
+    """The elastic pool's policy (`reflow.policy.elastic`)."""
 
 
 class TailSection(_fields_of(TailConfig, base=_PolicySection)):
-    """The long-tail scheduler's policy (sched.tail)."""
+    """The long-tail scheduler's policy (`reflow.policy.tail`)."""
 
 
 class TasksSection(_fields_of(LearnabilityConfig)):
-    """Which training tasks a round samples (`reflow.sched.tasks`): fresh seeds only, or with
+    """Which training tasks a round samples (`reflow.policy.task_selection`): fresh seeds only, or with
     `learnability` a share of revisits of tasks whose recent pass rate is strictly between 0 and 1."""
 
     learnability: bool = Field(False, description="revisit learnable tasks (sync mode)")

@@ -10,9 +10,9 @@ import pytest
 from migration_helpers import CountingEngine
 
 from reflow.engine import SamplingParams
+from reflow.policy.tail import EngineState, SetConcurrency, TailConfig, TailObservation, TailPolicy
 from reflow.rollout.concurrency import ConcurrencyCurve, LimitedEngine, prefill_rate
-from reflow.sched.tail import EngineState, SetConcurrency, TailConfig, TailObservation, TailPolicy
-from reflow.sched.worker_tail import WorkerTail
+from reflow.runtime.worker_tail import WorkerTail
 
 
 def test_the_curve_is_tokens_over_seconds_per_concurrency():

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from reflow.sched.elastic import (
+from reflow.policy.elastic import (
     ElasticConfig,
     ElasticObservation,
     ElasticPolicy,
@@ -175,7 +175,7 @@ def test_bad_config_is_refused():
 def test_the_config_sections_hold_the_policies_own_defaults_and_checks():
     from reflow.config import validate_config
     from reflow.errors import ConfigError
-    from reflow.sched.tail import TailConfig
+    from reflow.policy.tail import TailConfig
 
     env = {"id": "reflow/Calc-v0"}
     cfg = validate_config({"env": env})

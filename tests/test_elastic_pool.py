@@ -12,8 +12,8 @@ import torch
 from run_helpers import PARITY_ENV, SMALL_ROLLOUT, TINY_MODEL
 
 from reflow.config import load_config
-from reflow.sched.elastic import ElasticConfig, ElasticPolicy, RoleChangeCost
-from reflow.sched.elastic_runtime import Interval, Totals, observe, worker_to_drain
+from reflow.policy.elastic import ElasticConfig, ElasticPolicy, Interval, RoleChangeCost, Totals, observe
+from reflow.runtime.actuator import worker_to_drain
 
 TESTS = Path(__file__).parent
 
@@ -106,7 +106,7 @@ class _RecordingPool:
         return [f"rank-on-{s.index}" for s in self.slots if s.role == "train"]
 
     def move(self, slot, to_role, in_flight=None, drain_timeout_s=None):
-        from reflow.sched.role_change import RoleChange
+        from reflow.runtime.role_change import RoleChange
 
         self.moves.append((slot, to_role, in_flight))
         index = slot if isinstance(slot, int) else [s.index for s in self.slots if s.role == slot][-1]
@@ -117,7 +117,7 @@ class _RecordingPool:
 
 
 def test_the_runtime_moves_the_least_busy_worker_and_remembers_the_measured_cost():
-    from reflow.sched.elastic_runtime import ElasticRuntime
+    from reflow.runtime.elastic import ElasticRuntime
 
     pool = _RecordingPool(["rollout", "train", "rollout", "rollout"])
     runtime = ElasticRuntime(pool, ElasticPolicy(ElasticConfig(min_dwell_steps=0)), batch_size=32)
@@ -137,7 +137,7 @@ def test_the_runtime_moves_the_least_busy_worker_and_remembers_the_measured_cost
 
 
 def test_a_move_takes_a_slot_that_can_change_role_and_names_one_that_cannot():
-    from reflow.sched.pool import ResourcePool, Slot
+    from reflow.runtime.pool import ResourcePool, Slot
 
     pool = object.__new__(ResourcePool)  # pick_slot reads the slots only
     pool.slots = [Slot(0, "rollout"), Slot(1, "rollout"), Slot(2, "train")]
@@ -225,7 +225,7 @@ def _fresh_group_step(config, model_path, replay, state, group_ids, step):
     """A freshly formed 2-rank group loads `state` and trains one step: (metrics, full weights)."""
     import ray
 
-    from reflow.sched.workers import TrainerRank
+    from reflow.runtime.workers import TrainerRank
 
     ranks = [
         ray.remote(TrainerRank).options(num_cpus=1).remote(config, model_path, replay, r, 2) for r in (0, 1)
@@ -246,7 +246,7 @@ def _fresh_group_step(config, model_path, replay, state, group_ids, step):
 def test_role_changes_both_ways_keep_groups_versions_and_gradients(tmp_path, ray_env):
     import ray
 
-    from reflow.sched.pool import ResourcePool
+    from reflow.runtime.pool import ResourcePool
 
     ray.init(num_cpus=6, include_dashboard=False)
     config = load_config(None, [*BASE, f"out_dir={tmp_path}", "resources.slots=[rollout, rollout, train]"])
@@ -320,7 +320,7 @@ def test_role_changes_both_ways_keep_groups_versions_and_gradients(tmp_path, ray
 def test_a_drain_past_its_timeout_returns_the_groups_it_abandons(tmp_path, ray_env):
     import ray
 
-    from reflow.sched.pool import ResourcePool
+    from reflow.runtime.pool import ResourcePool
 
     ray.init(num_cpus=4, include_dashboard=False)
     config = load_config(
@@ -371,7 +371,7 @@ def test_roles_on_different_nodes_sync_weights_and_change_roles(tmp_path, ray_en
     import ray
     from ray.cluster_utils import Cluster
 
-    from reflow.sched.pool import ResourcePool
+    from reflow.runtime.pool import ResourcePool
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     node_a = cluster.add_node(num_cpus=2, resources={"rollout_node": 1}, object_store_memory=150 * 2**20)
@@ -417,13 +417,13 @@ def test_roles_on_different_nodes_sync_weights_and_change_roles(tmp_path, ray_en
 def test_the_loop_gives_a_drain_a_timeout():
     """A move to training waits `elastic.drain_timeout_s` at most for the drained worker's stragglers
     (the loop used to wait for the slowest one, however long)."""
-    from reflow.recipes.loop_sched import ElasticDriver
     from reflow.recipes.run_state import RunState
+    from reflow.runtime.elastic import ElasticDriver
 
     config = load_config(None, [*BASE, "mode=reflow"])
-    assert ElasticDriver(None, config, RunState(), 0.0).runtime.drain_timeout_s == 30.0
+    assert ElasticDriver(None, config, RunState(), 0.0).runtime.actuator.drain_timeout_s == 30.0
     config = load_config(None, [*BASE, "mode=reflow", "elastic.drain_timeout_s=5"])
-    assert ElasticDriver(None, config, RunState(), 0.0).runtime.drain_timeout_s == 5.0
+    assert ElasticDriver(None, config, RunState(), 0.0).runtime.actuator.drain_timeout_s == 5.0
     with pytest.raises(Exception, match="drain_timeout_s"):
         load_config(None, [*BASE, "mode=reflow", "elastic.drain_timeout_s=0"])
 
@@ -434,9 +434,9 @@ def test_an_abandoned_group_stored_before_the_kill_arrives_after_all(tmp_path, r
     import ray
     from replay_helpers import make_group
 
-    from reflow.replay.cycle import CycleConfig
-    from reflow.sched.replay_service import ReplayService
-    from reflow.sched.role_change import stored_after_all
+    from reflow.policy.dual_cycle import CycleConfig
+    from reflow.runtime.replay_service import ReplayService
+    from reflow.runtime.role_change import stored_after_all
 
     ray.init(num_cpus=1, include_dashboard=False)
     replay = ray.remote(ReplayService).remote(str(tmp_path / "replay.sqlite"), "r", CycleConfig())

@@ -56,33 +56,79 @@ def test_cli_starts_without_heavy_imports():
     assert not {m for m in mods if m.split(".")[0] in HEAVY}
 
 
-# The dependency rules (docs/architecture.md): what each layer must not import (the recipes and CLI join them all).
-# `sched` (the Ray orchestration) knows every layer; no layer below it knows `sched`.
+# The layers of `reflow`, lowest first (docs/architecture.md): a module imports only from layers
+# below its own, never from its own layer's other packages or from above. Every import counts: at the
+# top, inside a function, or for type checking only.
+LAYERS = [
+    {"errors", "metrics", "console"},  # definitions the whole tree shares
+    {"env", "policy"},  # the env API; the scheduling policies (pure)
+    {"records", "interop", "sandbox", "models"},
+    {"server", "engine", "replay"},
+    {"rollout", "train"},
+    {"config"},  # the run configuration: its sections hold the lower layers' settings
+    {"runtime", "sim"},  # the two drivers of the policies: Ray, and simulated time
+    {"recipes"},  # the jobs
+    {"cli", "__init__"},  # the command line; the package root (`import reflow` registers the envs)
+]
+RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+
+# What each layer must not import beyond the order above (siblings kept apart).
 FORBIDDEN = {
-    "env": {"engine", "rollout", "replay", "train", "sandbox", "server", "recipes", "models", "sched"},
-    "engine": {"env", "rollout", "replay", "train", "recipes", "sandbox", "server", "sched"},
-    "replay": {"train", "engine", "recipes", "sched"},
-    "server": {"engine", "rollout", "replay", "train", "recipes", "models", "sched"},
-    "sandbox": {"engine", "rollout", "replay", "train", "recipes", "models", "server", "sched"},
-    "rollout": {"train", "replay", "recipes", "server", "sched"},
-    "train": {"env", "engine", "recipes", "server", "sandbox", "sched"},
-    "sched": {"recipes"},
+    "env": {"engine", "rollout", "replay", "train", "sandbox", "server", "recipes", "models", "runtime"},
+    "engine": {"env", "rollout", "replay", "train", "recipes", "sandbox", "server", "runtime"},
+    "replay": {"train", "engine", "recipes", "runtime"},
+    "server": {"engine", "rollout", "replay", "train", "recipes", "models", "runtime"},
+    "sandbox": {"engine", "rollout", "replay", "train", "recipes", "models", "server", "runtime"},
+    "rollout": {"train", "replay", "recipes", "server", "runtime"},
+    "train": {"env", "engine", "recipes", "server", "sandbox", "runtime"},
+    "runtime": {"recipes", "sim"},
     # the adapters to OpenEnv and verifiers envs are envs: they lean on the env API only
-    "interop": {"engine", "rollout", "replay", "train", "recipes", "models", "sandbox", "server", "sched"},
-    # the cluster simulator drives the pure policies (replay.cycle, sched.elastic / sched.tail) and
-    # nothing that needs a device, a model or an environment
-    "sim": {"env", "engine", "rollout", "train", "recipes", "sandbox", "server", "models"},
+    "interop": {"engine", "rollout", "replay", "train", "recipes", "models", "sandbox", "server", "runtime"},
+    # the cluster simulator drives the pure policies (reflow.policy, the batch planning of
+    # reflow.replay) and nothing that needs a device, a model, an environment or Ray
+    "sim": {"env", "engine", "rollout", "train", "recipes", "sandbox", "server", "models", "runtime"},
 }
 
 
-def _reflow_imports(path: Path) -> set[str]:
+def _imports(path: Path, *, type_only: bool = True) -> set[str]:
+    """Every module name `path` imports (absolute imports), wherever the import statement is; with
+    type_only=False, not those under `if TYPE_CHECKING:` (what the module runs)."""
+    tree = ast.parse(path.read_text())
+    skipped: set[int] = set()
+    if not type_only:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                skipped |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
         elif isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-    return {n.split(".")[1] for n in names if n.startswith("reflow.")}
+    return names
+
+
+def _reflow_imports(path: Path) -> set[str]:
+    return {n.split(".")[1] for n in _imports(path) if n.startswith("reflow.")}
+
+
+def _layer(path: Path) -> str:
+    return path.relative_to(ROOT / "reflow").parts[0].removesuffix(".py")
+
+
+def test_every_package_has_a_layer_and_nothing_imports_upward():
+    packages = {_layer(p) for p in (ROOT / "reflow").rglob("*.py")}
+    assert packages == set(RANK), "a package is missing from LAYERS, or LAYERS names one gone"
+    upward = []
+    for path in (ROOT / "reflow").rglob("*.py"):
+        src = _layer(path)
+        for dst in sorted(_reflow_imports(path) - {src}):
+            if RANK[dst] < RANK[src]:
+                continue
+            upward.append(f"{path.relative_to(ROOT)} imports reflow.{dst}: layer {RANK[dst]} >= {RANK[src]}")
+    assert not upward, "\n".join(upward)
 
 
 def test_layers_respect_the_dependency_rules():
@@ -94,35 +140,63 @@ def test_layers_respect_the_dependency_rules():
             assert not bad, f"{path.relative_to(ROOT)} imports reflow.{sorted(bad)}"
 
 
-# Policies are plain objects: no Ray, no clock,
-# no event loop, no I/O, no randomness in the file itself; the drivers (Ray runtime, simulator) bring those.
-POLICY_FILES = {
-    "reflow/sched/elastic.py": {"ray", "time", "asyncio", "os", "socket", "random", "threading"},
-    "reflow/sched/tail.py": {"ray", "time", "asyncio", "os", "socket", "random", "threading"},
-    # cycle.py's functions query a ReplayStore passed in; the file itself imports no clock or I/O.
-    "reflow/replay/cycle.py": {"ray", "time", "asyncio", "os", "socket"},
+# The policies are plain objects and functions: no Ray, no clock, no event loop, no threads or
+# processes, no sockets, no files, no randomness of their own (a generator is passed in); the drivers
+# (the Ray runtime, the simulator) bring those. One rule for the whole folder.
+NOT_IN_POLICIES = {
+    *("ray", "time", "datetime", "asyncio", "threading", "multiprocessing", "concurrent", "sched"),
+    *("subprocess", "signal", "socket", "selectors", "ssl", "http", "urllib", "requests", "httpx"),
+    *("os", "sys", "io", "pathlib", "shutil", "tempfile", "glob", "sqlite3", "pickle", "shelve"),
+    *("logging", "random", "secrets", "uuid", "torch", "numpy"),
 }
 
 
-def _top_level_imports(path: Path) -> set[str]:
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
-        elif isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
-    return names
+def test_the_policy_folder_is_pure():
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    files = sorted((ROOT / "reflow" / "policy").glob("*.py"))
+    assert {p.name for p in files} >= {"elastic.py", "tail.py", "dual_cycle.py", "actuator.py"}
+    for path in files:
+        rel = path.relative_to(ROOT)
+        tops = {n.split(".")[0] for n in _imports(path)}
+        assert tops <= stdlib | {"reflow"}, f"{rel} imports {sorted(tops - stdlib - {'reflow'})}"
+        assert _reflow_imports(path) <= {"metrics", "policy"}, f"{rel} imports {_reflow_imports(path)}"
+        runs = {n.split(".")[0] for n in _imports(path, type_only=False)}
+        assert not runs & NOT_IN_POLICIES, f"{rel} imports {sorted(runs & NOT_IN_POLICIES)}"
+        calls = {
+            n.func.id
+            for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+        }
+        assert not calls & {"open", "print", "input"}, (
+            f"{rel} calls {sorted(calls & {'open', 'print', 'input'})}"
+        )
+    assert {n.split(".")[0] for n in _imports(ROOT / "reflow" / "metrics.py")} <= stdlib
+    # the batch planning queries a store passed in; the file itself imports no clock or I/O
+    planning = {n.split(".")[0] for n in _imports(ROOT / "reflow" / "replay" / "planning.py")}
+    assert not planning & NOT_IN_POLICIES, sorted(planning & NOT_IN_POLICIES)
 
 
-def test_policies_import_no_runtime_clock_or_io():
-    for rel, forbidden in POLICY_FILES.items():
-        bad = _top_level_imports(ROOT / rel) & forbidden
-        assert not bad, f"{rel} imports {sorted(bad)}"
-    # the scheduler policies need nothing beyond the standard library and the metric definitions
-    for rel in ("reflow/sched/elastic.py", "reflow/sched/tail.py"):
-        assert _top_level_imports(ROOT / rel) <= set(sys.stdlib_module_names) | {"__future__", "reflow"}, rel
-        assert _reflow_imports(ROOT / rel) <= {"metrics"}, rel
-    assert _top_level_imports(ROOT / "reflow" / "metrics.py") <= set(sys.stdlib_module_names) | {"__future__"}
+def test_the_ray_runtime_and_the_simulator_implement_the_actuator():
+    """One seam between the policies and what applies their decisions: both implementations have every
+    method of the protocol with its exact parameters and types, so changing the seam changes both."""
+    import inspect
+    import typing
+
+    from reflow.policy.actuator import Actuator
+    from reflow.runtime.actuator import RayActuator
+    from reflow.sim.policies import SimActuator
+
+    def shape(fn: object) -> tuple:
+        sig, hints = inspect.signature(fn), typing.get_type_hints(fn)
+        params = [(p.name, p.kind, hints.get(p.name), p.default) for p in sig.parameters.values()]
+        return params, hints.get("return")
+
+    methods = {n for n, v in vars(Actuator).items() if inspect.isfunction(v) and not n.startswith("_")}
+    assert methods == {"move_slot", "migrate", "free_engine", "set_concurrency"}
+    for cls in (RayActuator, SimActuator):
+        for name in sorted(methods):
+            assert name in vars(cls), f"{cls.__name__} does not implement Actuator.{name}"
+            assert shape(vars(cls)[name]) == shape(vars(Actuator)[name]), f"{cls.__name__}.{name}"
 
 
 def test_only_the_entry_point_imports_the_cli():

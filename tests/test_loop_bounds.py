@@ -11,10 +11,11 @@ import heapq
 import pytest
 from replay_helpers import make_group
 
+from reflow.policy.dual_cycle import AdmissionControl, CycleConfig
 from reflow.recipes.run_state import out_of_time
 from reflow.recipes.weight_sync import EngineVersions
 from reflow.replay import ReplayStore
-from reflow.replay.cycle import AdmissionControl, CycleConfig, consume, plan_batch
+from reflow.replay.planning import consume, plan_batch
 
 # ---- the time budget
 
@@ -181,13 +182,13 @@ def test_a_step_with_no_sampled_token_keeps_the_version_and_pushes_nothing(tmp_p
     from rich.console import Console
 
     from reflow.config import load_config
+    from reflow.policy.dual_cycle import ReplayShare
     from reflow.recipes import decoupled
     from reflow.recipes.run_log import RunLog, read_metrics
     from reflow.recipes.run_state import Clock, RunState
     from reflow.records import Segment
-    from reflow.replay.cycle import ReplayShare
-    from reflow.sched.replay_service import PlannedBatch
-    from reflow.sched.workers import GroupReport
+    from reflow.runtime.replay_service import PlannedBatch
+    from reflow.runtime.workers import GroupReport
     from reflow.train.trainer import PolicyTrainer, TrainRow
 
     _, model, _ = build_tiny_engine_model(tmp_path / "model")

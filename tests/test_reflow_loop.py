@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 from run_helpers import PARITY_ENV, SMALL_ROLLOUT, TINY_MODEL
 
-from reflow.recipes.loop_sched import GroupInFlight, TailGate, moved_positions, observed_quantiles
-from reflow.sched.tail import CarryOver, Migrate, OverProvision, Quantiles, TailConfig, TailPolicy
+from reflow.policy.tail import Quantiles, TailConfig, TailPolicy
+from reflow.policy.tail_actions import CarryOver, Migrate, OverProvision
+from reflow.runtime.elastic import moved_positions
+from reflow.runtime.tail import GroupInFlight, TailGate
 
 TESTS = Path(__file__).parent
 
@@ -22,8 +24,8 @@ TESTS = Path(__file__).parent
 
 
 def test_quantiles_of_recent_positive_durations():
-    assert observed_quantiles([]) is None and observed_quantiles([0.0, 3.0]) is None
-    q = observed_quantiles([float(x) for x in range(1, 11)])  # 1..10 s
+    assert Quantiles.observed([]) is None and Quantiles.observed([0.0, 3.0]) is None
+    q = Quantiles.observed([float(x) for x in range(1, 11)])  # 1..10 s
     assert q == Quantiles(p50=6.0, p90=10.0, p99=10.0, count=10)
 
 
@@ -122,7 +124,7 @@ class ScriptedElastic:
         self.last_move_version = None  # what a checkpoint saves of the policy
 
     def decide(self, obs):
-        from reflow.sched.elastic import ElasticDecision
+        from reflow.policy.elastic import ElasticDecision
 
         n, m = obs.rollout_slots, obs.train_slots
         if obs.step == 2:
@@ -136,14 +138,14 @@ class ScriptedElastic:
 def test_reflow_run_moves_a_slot_both_ways_and_loses_no_group(tmp_path, monkeypatch):
     import ray
 
-    import reflow.recipes.loop_sched as loop_sched
+    import reflow.runtime.elastic as elastic_runtime
     from reflow.config import load_config
     from reflow.recipes.agent_train import train
     from reflow.replay import ReplayStore
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    monkeypatch.setattr(loop_sched, "ElasticPolicy", ScriptedElastic)
+    monkeypatch.setattr(elastic_runtime, "ElasticPolicy", ScriptedElastic)
     overrides = [
         *BASE,
         f"out_dir={tmp_path}",

@@ -9,16 +9,15 @@ import random
 import pytest
 from replay_helpers import make_group
 
+from reflow.policy.dual_cycle import AdmissionControl, CycleConfig, ReplayShare
 from reflow.replay import ReplayStore
-from reflow.replay.cycle import (
-    AdmissionControl,
+from reflow.replay.planning import (
     BatchPlan,
-    CycleConfig,
-    ReplayShare,
     accepted_groups,
     consume,
     plan_batch,
     reuse_histogram,
+    room_in,
 )
 
 
@@ -67,14 +66,14 @@ def test_eta_0_allows_exactly_b_starts_per_version(store):
     n = 0
     for version in range(3):
         started = []
-        while adm.room_in(store, version) > 0:
+        while room_in(adm, store, version) > 0:
             store.begin_group(f"g{n}", version)
             started.append(f"g{n}")
             n += 1
         assert len(started) == B and store.in_flight() == B  # in-flight groups count
         for gid in started:
             add(store, gid, version)
-            assert adm.room_in(store, version) == 0  # stored: still no room until the version advances
+            assert room_in(adm, store, version) == 0  # stored: still no room until the version advances
         plan = plan_batch(store, want=B, current_version=version, share=0.0, cfg=CycleConfig())
         assert ids(plan.fresh) == started
         consume(store, plan, step=version + 1)
@@ -83,18 +82,18 @@ def test_eta_0_allows_exactly_b_starts_per_version(store):
 
 def test_eta_2_runs_three_batches_ahead_and_dropped_or_zero_spread_groups_free_their_slot(store):
     B, adm = 2, AdmissionControl(eta=2, groups_per_step=2)
-    assert adm.room_in(store, 0) == 3 * B
+    assert room_in(adm, store, 0) == 3 * B
     for i in range(3 * B):
         store.begin_group(f"g{i}", 0)
-    assert adm.room_in(store, 0) == 0
+    assert room_in(adm, store, 0) == 0
     store.end_group("g0")  # dropped (an infra failure): its slot is free again
-    assert adm.room_in(store, 0) == 1
+    assert room_in(adm, store, 0) == 1
     add(store, "g1", 0, spread=0.0)  # zero-spread: rejected like AReaL's filtered samples
-    assert adm.room_in(store, 0) == 2 and accepted_groups(store) == 0
-    assert AdmissionControl(2, B, count_zero_spread=True).room_in(store, 0) == 1
+    assert room_in(adm, store, 0) == 2 and accepted_groups(store) == 0
+    assert room_in(AdmissionControl(2, B, count_zero_spread=True), store, 0) == 1
     for i in range(2, 3 * B):
         add(store, f"g{i}", 0)
-    assert adm.room_in(store, 0) == 2 and adm.room_in(store, 1) == 4
+    assert room_in(adm, store, 0) == 2 and room_in(adm, store, 1) == 4
 
 
 def _sync_run(store, B, steps):
@@ -121,7 +120,7 @@ def _async_run(store, B, steps, eta, workers, seed=None):
     running: list[tuple[float, int, int]] = []  # (finish time, start index, version started with)
     now, n, version = 0.0, 0, 0
     while version < steps:
-        while len(running) < workers and adm.room_in(store, version) > 0:
+        while len(running) < workers and room_in(adm, store, version) > 0:
             store.begin_group(f"g{n}", version)
             heapq.heappush(running, (now + (1.0 if seed is None else rng.uniform(0.1, 3.0)), n, version))
             starts.append(version)
@@ -390,7 +389,7 @@ def test_config_validation(kwargs, message):
 def test_one_definition_of_reward_spread_from_rewards_to_the_plan(store):
     """Float noise is not spread: 0.1 + 0.2 against three 0.3s gives all-zero advantages, so the
     worker's report, the store, the planner and replay all see a group without spread."""
-    from reflow.sched.workers import report_group
+    from reflow.runtime.workers import report_group
     from reflow.train.advantages import group_advantages, has_spread
 
     rewards = [0.1 + 0.2, 0.3, 0.3, 0.3]

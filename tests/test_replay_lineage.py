@@ -8,8 +8,9 @@ from contextlib import closing
 import pytest
 from replay_helpers import make_group
 
+from reflow.policy.dual_cycle import CycleConfig
 from reflow.replay import ReplayStore
-from reflow.replay.cycle import CycleConfig, accepted_groups, plan_batch
+from reflow.replay.planning import accepted_groups, plan_batch
 from reflow.replay.schema import SCHEMA_VERSION
 
 

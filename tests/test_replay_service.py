@@ -4,8 +4,8 @@ import threading
 
 from replay_helpers import make_group
 
-from reflow.replay.cycle import CycleConfig
-from reflow.sched.replay_service import ReplayService
+from reflow.policy.dual_cycle import CycleConfig
+from reflow.runtime.replay_service import ReplayService
 
 
 def test_concurrent_plans_never_hand_out_the_same_fresh_group(tmp_path):

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 from replay_helpers import make_group
 
+from reflow.policy.dual_cycle import AdmissionControl, CycleConfig
 from reflow.replay import ReplayStore
-from reflow.replay.cycle import AdmissionControl, CycleConfig, accepted_groups, consume, plan_batch
+from reflow.replay.planning import accepted_groups, consume, plan_batch
 from reflow.replay.schema import SCHEMA_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -40,7 +40,7 @@ def test_a_resumed_run_moves_a_slot_and_pushes_weights_after_its_checkpoint_is_r
     from reflow.models.presets import resolve_model_path
     from reflow.recipes.run_log import RunLog
     from reflow.recipes.warm_phase import prepare_model
-    from reflow.sched.pool import ResourcePool
+    from reflow.runtime.pool import ResourcePool
 
     ray.init(num_cpus=6, include_dashboard=False)
     config = load_config(None, [*BASE, f"out_dir={tmp_path}"])

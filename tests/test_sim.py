@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-import reflow.replay.cycle as cycle
-import reflow.sched.elastic as elastic
-import reflow.sched.tail as tail
+import reflow.policy.dual_cycle as cycle
+import reflow.policy.elastic as elastic
+import reflow.policy.tail as tail
+import reflow.replay.planning as planning
 import reflow.sim.engine as engine
 import reflow.sim.training as training
 from reflow.errors import ConfigError
@@ -167,7 +168,7 @@ def test_reflow_replays_when_rollout_is_short_and_respects_k():
 
 def test_new_trained_tokens_count_a_groups_first_training_only():
     """A step's fresh groups are new work; its replayed groups count in trained tokens only."""
-    from reflow.replay.cycle import BatchPlan
+    from reflow.replay.planning import BatchPlan
     from reflow.replay.store import GroupInfo
     from reflow.sim.metrics import Recorder
 
@@ -194,8 +195,8 @@ def test_new_trained_tokens_count_a_groups_first_training_only():
 
 
 def test_the_simulator_imports_the_runtime_policies_not_copies():
-    assert engine.plan_batch is cycle.plan_batch is training.plan_batch
-    assert engine.consume is cycle.consume is training.consume
+    assert engine.plan_batch is planning.plan_batch is training.plan_batch
+    assert engine.consume is planning.consume is training.consume
     assert engine.AdmissionControl is cycle.AdmissionControl
     assert engine.ReplayShare is cycle.ReplayShare
     assert engine.CycleConfig is cycle.CycleConfig
@@ -222,6 +223,10 @@ def test_the_simulator_imports_the_runtime_policies_not_copies():
         "step_seconds",
         "capacity",
         "room",
+        "observe",
+        "decision_event",
+        "apply_tail",
+        "tail_event",
     }
     for path in (ROOT / "reflow" / "sim").glob("*.py"):
         tree = ast.parse(path.read_text())
@@ -253,6 +258,8 @@ def test_every_policy_call_goes_through_the_runtime_objects(monkeypatch):
     assert calls["consume"] >= s.run.steps
     kinds = {e["kind"] for e in out["events"]}
     assert "elastic" in kinds
+    # one event schema, the runtime's: the policy (kind), the action (what), the reason (why)
+    assert all({"kind", "what", "why"} <= set(e) for e in out["events"])
 
 
 def test_elastic_moves_slots_to_the_starved_side_with_the_role_change_cost():
@@ -264,8 +271,8 @@ def test_elastic_moves_slots_to_the_starved_side_with_the_role_change_cost():
         train={"mfu": 0.5},
     )
     out = engine.simulate(s)
-    moves = [e for e in out["events"] if e["kind"] == "elastic" and e["action"] != "hold"]
-    assert moves and moves[0]["action"] == "to_rollout"
+    moves = [e for e in out["events"] if e["kind"] == "elastic" and e["what"] != "hold"]
+    assert moves and moves[0]["what"] == "to_rollout"
     assert out["rollout_gpus"] > 1
     assert moves[0]["cost_s"] == pytest.approx(5.0)
 

@@ -183,10 +183,10 @@ def test_round_size_is_the_runtime_spread_round_size():
         def __init__(self, spread: bool) -> None:
             self.has_spread = spread
 
-    import reflow.sched.tasks
+    import reflow.policy.task_selection
     import reflow.sim.training
 
-    assert reflow.sim.training.round_size is reflow.sched.tasks.round_size  # one copy, both drivers
+    assert reflow.sim.training.round_size is reflow.policy.task_selection.round_size  # one copy, both drivers
     for want in (1, 4, 8, 16):
         for generated in range(0, 3 * want):
             for spread in range(0, generated + 1):

@@ -7,8 +7,9 @@ import random
 
 from replay_helpers import make_group
 
+from reflow.policy.dual_cycle import AdmissionControl, CycleConfig
 from reflow.replay import ReplayStore
-from reflow.replay.cycle import AdmissionControl, CycleConfig, consume, plan_batch
+from reflow.replay.planning import consume, plan_batch, room_in
 from reflow.sim.store import SimStore
 
 
@@ -25,7 +26,7 @@ def test_sim_store_matches_replay_store_under_the_real_cycle(tmp_path):
     version, step, n = 0, 0, 0
     try:
         for _ in range(14):
-            assert admission.room_in(real, version) == admission.room_in(sim, version)
+            assert room_in(admission, real, version) == room_in(admission, sim, version)
             for _ in range(rng.randrange(0, 4)):
                 gid, spread = f"g{n}", rng.choice([0.0, 1.0, 2.0, 0.5])
                 n += 1

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from reflow.sched.tail import (
+from reflow.policy.tail import (
     CarryOver,
     EngineState,
     FreeSlot,

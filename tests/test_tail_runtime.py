@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 from run_helpers import SMALL_ROLLOUT, TINY_MODEL
 
-from reflow.recipes.loop_sched import GroupInFlight, TailGate, TailLook
-from reflow.sched.tail import FreeSlot, Migrate, OverProvision, SetConcurrency, TailPolicy
-from reflow.sched.tail_runtime import Snapshot, TailRuntime, is_placeholder
+from reflow.policy.tail import TailPolicy
+from reflow.policy.tail_actions import FreeSlot, Migrate, OverProvision, SetConcurrency
+from reflow.runtime.tail import GroupInFlight, Snapshot, TailGate, TailLook, TailRuntime, is_placeholder
 
 TESTS = Path(__file__).parent
 
@@ -47,7 +47,7 @@ class RecordedRuntime(TailRuntime):
         if action.episode == "gone":
             return {"applied": False, "error": "episode gone is not running here (ended?)"}
         self.moved[action.episode] = action.target
-        return None
+        return {"applied": True}
 
     def set_concurrency(self, action):
         self.asked.append(action)

@@ -138,8 +138,8 @@ def ray_pool(tmp_path, monkeypatch):
 
     from reflow.config import load_config
     from reflow.models import build_tiny
-    from reflow.sched.pool import ResourcePool
-    from reflow.sched.workers import RolloutWorker, TrainerRank
+    from reflow.runtime.pool import ResourcePool
+    from reflow.runtime.workers import RolloutWorker, TrainerRank
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     model_dir = str(build_tiny(tmp_path / "m", num_hidden_layers=1, hidden_size=32, intermediate_size=64))

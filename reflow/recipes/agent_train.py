@@ -7,7 +7,7 @@
 - async, reflow: rollout and training overlap on separate slots (`reflow.recipes.decoupled`).
 
 Everything the loops call is a plain function (`reflow.recipes`: run_state, checkpoints, evaluation,
-run_log, weight_sync) or a method on a Ray handle (`reflow.sched`).
+run_log, weight_sync) or a method on a Ray handle (`reflow.runtime`).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from reflow.recipes.run_state import (
 )
 from reflow.recipes.warm_phase import prepare_model
 from reflow.recipes.weight_sync import sync_weights
-from reflow.sched.pool import ResourcePool, start_ray
-from reflow.sched.workers import GroupReport
+from reflow.runtime.pool import ResourcePool, start_ray
+from reflow.runtime.workers import GroupReport
 
 
 def train(config: RunConfig, *, resume: bool = False, console: Console | None = None) -> dict[str, Any]:

@@ -16,8 +16,8 @@ from reflow.config import RunConfig
 from reflow.recipes.evaluation import eval_due, evaluate
 from reflow.recipes.run_log import RunLog
 from reflow.recipes.run_state import Clock, RunState
-from reflow.sched.pool import ResourcePool
-from reflow.sched.workers import GroupReport, report_group
+from reflow.runtime.pool import ResourcePool
+from reflow.runtime.workers import GroupReport, report_group
 
 
 def checkpoint(pool: ResourcePool, config: RunConfig, state: RunState) -> None:

@@ -9,7 +9,7 @@
 - reflow: the same, plus the dual replay cycle: when fresh groups are short, recent groups (age <=
   tau_max, reuse < K) fill the batch up to the adaptive replay share, so the trainer does not idle; the
   share rises while the trainer waits and falls when importance weights degrade. Also on by default
-  in reflow (`elastic.enabled` / `tail.enabled` switch them off for ablations; `loop_sched`): the
+  in reflow (`elastic.enabled` / `tail.enabled` switch them off for ablations; `reflow.runtime`): the
   elastic pool may move one slot between rollout and training at each version boundary, and the
   tail scheduler keeps B + delta groups of a batch started (delta from the tail's heaviness) and lets
   a step start on the first B done, the rest carrying over into the next step; in a batch's tail it
@@ -34,17 +34,17 @@ from typing import Any
 import ray
 
 from reflow.config import RunConfig
+from reflow.policy.dual_cycle import AdmissionControl, ReplayShare
+from reflow.policy.tail import QUANTILE_WINDOW, TailPolicy
 from reflow.recipes.checkpoints import after_step
-from reflow.recipes.loop_sched import QUANTILE_WINDOW, ElasticDriver, GroupInFlight, TailGate, moved_positions
 from reflow.recipes.run_log import RunLog, step_record
 from reflow.recipes.run_state import Clock, RunState, next_seeds, out_of_time, steps_left, took_step
 from reflow.recipes.weight_sync import WeightPusher
-from reflow.replay.cycle import AdmissionControl, ReplayShare
-from reflow.sched.pool import ResourcePool
-from reflow.sched.replay_service import PlannedBatch, cycle_config
-from reflow.sched.tail import TailPolicy
-from reflow.sched.tail_runtime import TailRuntime
-from reflow.sched.workers import GroupReport
+from reflow.runtime.elastic import ElasticDriver, moved_positions
+from reflow.runtime.pool import ResourcePool
+from reflow.runtime.replay_service import PlannedBatch, cycle_config
+from reflow.runtime.tail import GroupInFlight, TailGate, TailRuntime
+from reflow.runtime.workers import GroupReport
 
 
 class BusyClock:

@@ -20,11 +20,11 @@ from typing import Any
 import ray
 
 from reflow.config import RunConfig
+from reflow.policy.eval_schedule import EvalSchedule
 from reflow.recipes.run_log import RunLog
 from reflow.recipes.run_state import Clock, RunState
 from reflow.rollout.collect import EVAL_SEED_BASE
-from reflow.sched.eval_schedule import EvalSchedule
-from reflow.sched.pool import ResourcePool
+from reflow.runtime.pool import ResourcePool
 
 
 def deferred(config: RunConfig) -> bool:

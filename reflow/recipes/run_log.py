@@ -23,7 +23,7 @@ from reflow.metrics import quantile as _quantile
 from reflow.recipes.run_state import RunState
 
 if TYPE_CHECKING:  # the workers module imports Ray: reading a run's log needs none of it
-    from reflow.sched.workers import GroupReport
+    from reflow.runtime.workers import GroupReport
 
 STEP_COLUMNS = (
     ("step", "step", "{:.0f}"),

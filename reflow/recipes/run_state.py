@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from reflow.config import RunConfig
+from reflow.policy.task_selection import LearnabilityFilter, round_size
 from reflow.rollout.collect import EVAL_SEED_BASE
-from reflow.sched.tasks import LearnabilityFilter, round_size
 
 if TYPE_CHECKING:  # the workers module imports Ray: not needed to read or write a run state
-    from reflow.sched.workers import GroupReport
+    from reflow.runtime.workers import GroupReport
 
 
 @dataclass
@@ -49,7 +49,7 @@ class RunState:
     snapshots: list[dict[str, Any]] = field(default_factory=list)
     """Deferred evaluation points (step, version, wall_s, generated_tokens); weights kept aside."""
     task_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """The learnability filter's per-task pass rates (`tasks.learnability`; reflow.sched.tasks)."""
+    """The learnability filter's per-task pass rates (`tasks.learnability`; reflow.policy.task_selection)."""
     headroom: dict[str, dict[str, Any]] = field(default_factory=dict)
     """`eval.pass_at` measurements: "start" and "final" (greedy, mean@k, pass@k, RL headroom)."""
     role_changes: int = 0

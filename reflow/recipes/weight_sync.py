@@ -20,7 +20,7 @@ from typing import Any
 
 import ray
 
-from reflow.sched.pool import ResourcePool
+from reflow.runtime.pool import ResourcePool
 
 
 class EngineVersions:

@@ -10,11 +10,11 @@ Why SQLite, in WAL mode with synchronous=FULL:
 - indexed queries by run, policy version, group and consumption count, which the dual replay cycle
   needs, without reading the record blobs.
 
-What it keeps for the replay cycle (the policy lives in reflow/replay/cycle.py; this module only answers
-queries): arrival order (`seq`), the oldest and newest policy versions among a group's sampled tokens,
-its reward spread, how often trainer steps consumed it and which step last did, wall-clock creation
-time, the GRPO advantages fixed at creation, the groups in flight (for admission control) and a small
-cursor table saved with checkpoints. Planning reads the index columns only (`GroupInfo`: `fresh`,
+What it keeps for the replay cycle (the planning lives in reflow/replay/planning.py, the policies in
+reflow/policy/dual_cycle.py; this module only answers queries): arrival order (`seq`), the oldest
+and newest policy versions among a group's sampled tokens, its reward spread, how often trainer steps
+consumed it and which step last did, wall-clock creation time, the GRPO advantages fixed at creation,
+the groups in flight (for admission control) and a small cursor table saved with checkpoints. Planning reads the index columns only (`GroupInfo`: `fresh`,
 `replayable`); records are decoded only for the groups a step trains (`groups`).
 
 Lineage: each run epoch (a run started, or resumed from a checkpoint) is a lineage; every group carries

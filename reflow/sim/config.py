@@ -179,17 +179,19 @@ class ModeConfig(_Section):
     partial_rollout: bool = True
     trigger: int = Field(1, ge=1, description="trainer mini-batch updates per weight sync (verl streaming)")
     recompute_logprob: bool | None = Field(None, description="default: True for sync and one_step_off")
-    cycle: dict[str, Any] = Field(default_factory=dict, description="reflow.replay.cycle.CycleConfig fields")
+    cycle: dict[str, Any] = Field(
+        default_factory=dict, description="reflow.policy.dual_cycle.CycleConfig fields"
+    )
     kl_per_version: float = Field(
         0.01, ge=0, description="IS-health proxy fed to ReplayShare: KL per version"
     )
     elastic: bool = False
     tail: bool = False
     tail_config: dict[str, Any] = Field(
-        default_factory=dict, description="reflow.sched.tail.TailConfig fields (the run's `tail:`)"
+        default_factory=dict, description="reflow.policy.tail.TailConfig fields (the run's `tail:`)"
     )
     elastic_config: dict[str, Any] = Field(
-        default_factory=dict, description="reflow.sched.elastic.ElasticConfig fields (the run's `elastic:`)"
+        default_factory=dict, description="reflow.policy.elastic.ElasticConfig fields (the run's `elastic:`)"
     )
     groups_per_engine: int | None = Field(
         None,

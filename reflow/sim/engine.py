@@ -20,14 +20,8 @@ import heapq
 import itertools
 from collections import deque
 
-from reflow.replay.cycle import (
-    AdmissionControl,
-    CycleConfig,
-    ReplayShare,
-    accepted_groups,
-    consume,
-    plan_batch,
-)
+from reflow.policy.dual_cycle import AdmissionControl, CycleConfig, ReplayShare
+from reflow.replay.planning import accepted_groups, consume, plan_batch
 from reflow.sim import policies
 from reflow.sim.config import ModeConfig, Scenario
 from reflow.sim.costs import LengthSampler, decode_model, load_lengths
@@ -80,6 +74,7 @@ class Simulation(TrainingSide):
         self.elastic = policies.make_elastic(s, m) if m.elastic else None
         self.tail = policies.make_tail(m) if m.tail else None
         self.tail_gate = policies.TailGateCache()
+        self.actuator = policies.SimActuator(self)  # what applies the policies' decisions
         # what policies.elastic_step measures between its calls, and the role-change costs it has seen
         self.elastic_snap: tuple[float, ...] | None = None
         self.elastic_changed_at = 0
@@ -326,7 +321,7 @@ class Simulation(TrainingSide):
             self.blocked = False
             self.dispatch()
 
-    # ---- role changes (applied by policies.elastic_step)
+    # ---- role changes (applied by policies.SimActuator.move_slot)
 
     def on_role_done(self, obj, _token: int) -> None:
         kind, n = obj

@@ -36,9 +36,9 @@ def _known(config_class: type, values: dict[str, Any]) -> dict[str, Any]:
 
 def scenario_for(m: RunMeasurement, seed: int = 0) -> Scenario:
     """The simulator scenario of a measured run (see the module docstring)."""
-    from reflow.replay.cycle import CycleConfig
-    from reflow.sched.elastic import ElasticConfig
-    from reflow.sched.tail import TailConfig
+    from reflow.policy.dual_cycle import CycleConfig
+    from reflow.policy.elastic import ElasticConfig
+    from reflow.policy.tail import TailConfig
 
     cfg, c = m.config, m.costs
     rollout = cfg.get("rollout") or {}

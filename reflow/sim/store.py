@@ -1,5 +1,5 @@
 """An in-memory stand-in for `ReplayStore`'s query surface, which the simulator hands to the real
-`reflow.replay.cycle` functions (`plan_batch`, `consume`, `AdmissionControl.room_in`).
+`reflow.replay.planning` functions (`plan_batch`, `consume`, `room_in`).
 
 Why not a real `ReplayStore` on a temporary SQLite file: the store commits and fsyncs every group
 (synchronous=FULL, the durability the runtime needs) and decodes full episode records on every query,
@@ -73,7 +73,7 @@ class SimStore:
         ]:
             del self._replay[gid]
 
-    # ---- the queries reflow.replay.cycle makes
+    # ---- the queries reflow.replay.planning makes
 
     def fresh(self, limit: int | None = None) -> list[GroupInfo]:
         out = []

@@ -15,8 +15,8 @@ those that came back without reward spread.
 
 from __future__ import annotations
 
-from reflow.replay.cycle import consume, plan_batch
-from reflow.sched.tasks import round_size
+from reflow.policy.task_selection import round_size
+from reflow.replay.planning import consume, plan_batch
 from reflow.sim import policies
 from reflow.sim.costs import sync_s, train_s
 from reflow.sim.rollout import Engine

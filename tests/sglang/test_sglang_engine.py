@@ -204,7 +204,7 @@ async def test_a_rollout_worker_drives_sglang_servers_and_hands_them_each_policy
 
     from reflow.config import load_config
     from reflow.models import build_tiny, load_model
-    from reflow.sched.workers import RolloutWorker
+    from reflow.runtime.workers import RolloutWorker
 
     model_dir = str(
         build_tiny(tmp_path / "model", num_hidden_layers=1, hidden_size=64, intermediate_size=128)
@@ -386,7 +386,7 @@ async def test_an_episode_whose_request_an_update_aborts_in_that_window_complete
 
     from reflow.config import load_config
     from reflow.models import build_tiny
-    from reflow.sched.workers import RolloutWorker
+    from reflow.runtime.workers import RolloutWorker
 
     model_dir = str(
         build_tiny(tmp_path / "model", num_hidden_layers=1, hidden_size=64, intermediate_size=128)

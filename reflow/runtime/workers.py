@@ -1,6 +1,6 @@
 """The Ray actors of a run: rollout workers (an engine plus env instances) and trainer ranks.
 
-Both are plain classes, made remote by `reflow.sched.pool` on a device slot, so they can also be used
+Both are plain classes, made remote by `reflow.runtime.pool` on a device slot, so they can also be used
 in-process (tests, debugging). A rollout worker plays GRPO groups, fixes each group's advantages and
 stores it durably in the replay store before reporting it; a trainer rank reads groups from the store,
 takes its share of the rows and does one update (FSDP2 across ranks).
@@ -22,7 +22,7 @@ from reflow.env import make
 from reflow.env.registration import load_env_plugin
 from reflow.records import EpisodeRecord
 from reflow.rollout.episode import EpisodeRunner, RolloutConfig, run_group
-from reflow.sched.worker_tail import WorkerTail, engine_name
+from reflow.runtime.worker_tail import WorkerTail, engine_name
 from reflow.train.advantages import group_advantages, has_spread, train_mask
 
 
@@ -104,7 +104,7 @@ class RolloutWorker:
     def __init__(self, config: RunConfig, model_path: str, replay: Any, index: int = 0) -> None:
         import torch
 
-        from reflow.sched.engines import build_engine
+        from reflow.runtime.engines import build_engine
 
         torch.set_num_threads(_threads(config))
         self.config, self.replay, self.index, self.model_path = config, replay, index, model_path
@@ -161,7 +161,7 @@ class RolloutWorker:
         ids = group_ids or [None] * len(seeds)
         return list(await asyncio.gather(*(one(s, g) for s, g in zip(seeds, ids, strict=True))))
 
-    # -- the tail scheduler's calls (`reflow.sched.worker_tail`) ------------------------------------------
+    # -- the tail scheduler's calls (`reflow.runtime.worker_tail`) ------------------------------------------
 
     async def progress(self) -> dict[str, Any]:
         """Episodes in flight, the engine's limit, curve and prefill rate, migrations measured."""
@@ -187,7 +187,7 @@ class RolloutWorker:
         """Load the policy of `version` into the engine; returns the version the engine confirms. An older
         version than the engine's is refused (ValueError) unless `rewind` (a snapshot evaluated after
         the run): calls to this async actor are not ordered, the loop orders them (`WeightPusher`)."""
-        from reflow.sched.engines import load_policy
+        from reflow.runtime.engines import load_policy
 
         return await load_policy(
             self.engine, self.config, self.model_path, self.index, state_dict, version, rewind=rewind

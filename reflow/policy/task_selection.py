@@ -21,10 +21,12 @@ is a plain dict of plain values (`stats`), so a run can checkpoint it with its r
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the caller's generator is the only randomness: the module draws none itself
+    import random
 
 
 @dataclass

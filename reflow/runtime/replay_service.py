@@ -10,8 +10,9 @@ import threading
 from dataclasses import dataclass
 
 from reflow.config import RunConfig
+from reflow.policy.dual_cycle import CycleConfig
 from reflow.replay import ReplayStore
-from reflow.replay.cycle import CycleConfig, accepted_groups, consume, plan_batch
+from reflow.replay.planning import accepted_groups, consume, plan_batch
 
 
 def cycle_config(config: RunConfig) -> CycleConfig:

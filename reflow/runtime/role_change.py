@@ -38,11 +38,11 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from reflow.sched.elastic import RoleChangeCost
-from reflow.sched.workers import GroupReport, report_group
+from reflow.policy.elastic import RoleChangeCost
+from reflow.runtime.workers import GroupReport, report_group
 
 if TYPE_CHECKING:
-    from reflow.sched.pool import ResourcePool, Slot
+    from reflow.runtime.pool import ResourcePool, Slot
 
 ACTOR_STOP_TIMEOUT_S = 60.0
 """How long a rollout worker may take to close its engine before its actor is killed: a launched SGLang

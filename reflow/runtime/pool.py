@@ -9,7 +9,7 @@
 
 A slot's role is a parameter (`resources.slots: [rollout, train]`), not a code path: every slot reserves
 the same resources whatever its role, so `move` can hand it from rollout to training and back at a
-version boundary (`reflow.sched.role_change` does the work and measures its cost per part). With
+version boundary (`reflow.runtime.role_change` does the work and measures its cost per part). With
 `resources.placement` each role's slots form a Ray placement group (a bundle per slot, the role's
 strategy, optionally pinned to the nodes that declare a custom resource); a slot keeps its bundle when
 its role changes. The pool also does the loops' fan-out (slime's train.py style): train steps, weights,
@@ -28,10 +28,10 @@ from typing import Any
 import ray
 
 from reflow.config import RunConfig
+from reflow.runtime.replay_service import REPLAY_THREADS, ReplayService, cycle_config
+from reflow.runtime.role_change import RoleChange, move_slot
+from reflow.runtime.workers import GroupReport, RolloutWorker, TrainerRank
 from reflow.sandbox.reaper import mark_run, reap_run
-from reflow.sched.replay_service import REPLAY_THREADS, ReplayService, cycle_config
-from reflow.sched.role_change import RoleChange, move_slot
-from reflow.sched.workers import GroupReport, RolloutWorker, TrainerRank
 
 ROLE_ACTORS: dict[str, type] = {"rollout": RolloutWorker, "train": TrainerRank}
 PLACEMENT_TIMEOUT_S = 120.0
@@ -178,7 +178,7 @@ class ResourcePool:
         a slot from (the last slot of that role). `in_flight`: the slot's groups still generating
         (object ref of the `generate` call -> the group ids registered for it), waited for before its
         worker stops (at most `drain_timeout_s`; the rest are abandoned and named in the result).
-        See `reflow.sched.role_change`."""
+        See `reflow.runtime.role_change`."""
         return move_slot(self, self.pick_slot(slot_or_role, to_role), to_role, in_flight, drain_timeout_s)
 
     def pick_slot(self, slot_or_role: int | str, to_role: str) -> Slot:

@@ -1,5 +1,5 @@
-"""The learnability filter (reflow.sched.tasks) and the wall-clock evaluation schedule
-(reflow.sched.eval_schedule), as arithmetic: hand-made observations in, decisions checked."""
+"""The learnability filter (reflow.policy.task_selection) and the wall-clock evaluation schedule
+(reflow.policy.eval_schedule), as arithmetic: hand-made observations in, decisions checked."""
 
 import json
 import random
@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from reflow.sched.eval_schedule import EvalSchedule
-from reflow.sched.tasks import LearnabilityConfig, LearnabilityFilter, learnability
+from reflow.policy.eval_schedule import EvalSchedule
+from reflow.policy.task_selection import LearnabilityConfig, LearnabilityFilter, learnability
 
 
 def seen(f, seed, successes):
@@ -144,7 +144,7 @@ def _config(*overrides):
 
 
 def _report(successes):
-    from reflow.sched.workers import GroupReport
+    from reflow.runtime.workers import GroupReport
 
     rewards = [float(s) for s in successes]
     n = len(successes)
@@ -230,7 +230,7 @@ async def test_the_worker_headroom_plays_greedy_then_k_samples_on_the_same_held_
     import reflow.rollout.collect as collect_module
     from reflow.config import load_config
     from reflow.models import build_tiny
-    from reflow.sched.workers import RolloutWorker
+    from reflow.runtime.workers import RolloutWorker
 
     model_dir = str(build_tiny(tmp_path / "m", num_hidden_layers=1, hidden_size=32, intermediate_size=64))
     played = []
@@ -268,7 +268,7 @@ async def test_the_worker_headroom_measures_the_same_weights_the_same_in_every_r
     the same weights, one per worker as in two runs, play the same sampled episodes token for token."""
     from reflow.config import load_config
     from reflow.models import build_tiny
-    from reflow.sched.workers import RolloutWorker
+    from reflow.runtime.workers import RolloutWorker
 
     model_dir = str(build_tiny(tmp_path / "m", num_hidden_layers=1, hidden_size=32, intermediate_size=64))
     config = load_config(

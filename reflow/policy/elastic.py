@@ -1,9 +1,12 @@
 """The elastic policy: how many of the N device slots roll out and how many train.
 
 A plain object, observations in, decisions out; no Ray, no clock, no I/O. Two drivers feed it the same
-`ElasticObservation`: the Ray runtime (measured on real actors) and the cluster simulator (simulated
-time). The driver asks once per version boundary and applies the decision (drain a rollout worker,
-start a trainer rank, re-form the group, or the reverse); measuring the change's cost is its job too.
+`ElasticObservation`, built by `observe` from the counters of the interval between two version
+boundaries: the Ray runtime (`reflow.runtime.elastic`, real actors) and the cluster simulator
+(`reflow.sim.policies`, simulated time). Each applies the decision through its
+`reflow.policy.actuator.Actuator` (drain a rollout worker, start a trainer rank, re-form the group, or
+the reverse), which reports the change's cost for the next observations; `decision_event` is the
+decision's metrics event, whichever driver writes it.
 
 The pipeline model (units: `unit` per second, samples or tokens; the same unit everywhere):
 
@@ -25,6 +28,11 @@ T is unimodal in n (the min of a rising and a falling line), so repeated one-slo
 best split. The reuse u is taken as it was measured; the replay share adapts on its own and the
 next decision sees the new value.
 
+`observe` measures r as the work generated per busy rollout slot-second, t as the work trained per
+trainer-busy second and train slot, and u from the replay share. The idle ratios are 1 - busy /
+offered: rollout slot-seconds busy over those offered (counted by the driver, or the interval's
+seconds x the rollout slots), trainer-busy seconds over the interval's.
+
 The idle ratios guard the model: a move towards rollout needs the trainer to idle at least as much
 as rollout does, a move towards training the reverse. When the measured idle ratios contradict the
 rate model the policy holds and says so.
@@ -34,7 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 
 def _doc(text: str) -> dict[str, str]:
@@ -179,6 +187,96 @@ def step_seconds(obs: ElasticObservation, rollout_slots: int, train_slots: int) 
     return obs.batch_size / rate if rate > 0 else math.inf
 
 
+def _ratio(value: float) -> float:
+    """Busy time measured across an evaluation pause can exceed the interval a little: clamp to [0, 1]."""
+    return min(1.0, max(0.0, value))
+
+
+@dataclass(frozen=True)
+class Totals:
+    """A driver's cumulative counters since the run started (work in the policy's unit)."""
+
+    wall_s: float = 0.0
+    rollout_busy_s: float = 0.0
+    """Summed over rollout slots: time with at least one group in flight (slot-seconds)."""
+    generated: float = 0.0
+    trainer_busy_s: float = 0.0
+    """Time the trainer group spent in train steps."""
+    trained: float = 0.0
+
+
+@dataclass(frozen=True)
+class Interval:
+    """What happened between two version boundaries: `Totals` now minus `Totals` then."""
+
+    seconds: float
+    rollout_busy_s: float
+    generated: float
+    trainer_busy_s: float
+    trained: float
+    rollout_offered_s: float | None = None
+    """Rollout slot-seconds offered in the interval (slots that came or went count for the time they
+    were there); None: the interval's seconds x the rollout slots at the boundary."""
+
+    @classmethod
+    def between(cls, then: Totals, now: Totals) -> Interval:
+        diff = {name: getattr(now, name) - getattr(then, name) for name in Totals.__dataclass_fields__}
+        if any(v < 0 for v in diff.values()):
+            raise ValueError(f"counters went backwards between {then} and {now}")
+        return cls(
+            seconds=diff["wall_s"],
+            rollout_busy_s=diff["rollout_busy_s"],
+            generated=diff["generated"],
+            trainer_busy_s=diff["trainer_busy_s"],
+            trained=diff["trained"],
+        )
+
+
+def observe(
+    interval: Interval,
+    *,
+    step: int,
+    version: int,
+    steps_since_change: int,
+    rollout_slots: int,
+    train_slots: int,
+    batch_size: float,
+    replay_share: float = 0.0,
+    fresh_waiting: int = 0,
+    in_flight: int = 0,
+    to_rollout_cost: RoleChangeCost | None = None,
+    to_train_cost: RoleChangeCost | None = None,
+    unit: Literal["samples", "tokens"] = "samples",
+) -> ElasticObservation:
+    """The policy's observation from one interval's counters (see the module docstring); a side with
+    no busy time measured gets rate 0 (the policy then holds), an interval of no time idle 0."""
+    r = interval.generated / interval.rollout_busy_s if interval.rollout_busy_s > 0 else 0.0
+    busy_train = interval.trainer_busy_s * train_slots
+    t = interval.trained / busy_train if busy_train > 0 else 0.0
+    wall = interval.seconds
+    offered = interval.rollout_offered_s
+    if offered is None:
+        offered = rollout_slots * wall
+    return ElasticObservation(
+        step=step,
+        version=version,
+        steps_since_change=steps_since_change,
+        rollout_slots=rollout_slots,
+        train_slots=train_slots,
+        rollout_rate=r,
+        train_rate=t,
+        batch_size=batch_size,
+        reuse=reuse_from_share(replay_share),
+        rollout_idle=_ratio(1 - interval.rollout_busy_s / offered) if offered > 0 else 0.0,
+        train_idle=_ratio(1 - interval.trainer_busy_s / wall) if wall > 0 else 0.0,
+        fresh_waiting=fresh_waiting,
+        in_flight=in_flight,
+        to_rollout_cost=to_rollout_cost,
+        to_train_cost=to_train_cost,
+        unit=unit,
+    )
+
+
 @dataclass(frozen=True)
 class ElasticDecision:
     """The split to hold or move to, what the move is predicted to buy, and why (a metrics event)."""
@@ -287,3 +385,26 @@ class ElasticPolicy:
             )
         self.last_move_version = obs.version
         return ElasticDecision(action, n2, m2, gain, cost, now, target, f"{move}; {state}")
+
+
+def decision_event(decision: ElasticDecision, obs: ElasticObservation) -> dict[str, Any]:
+    """The metrics event of one decision, a hold too (the reason says why): what, why, the numbers
+    (the schema in `reflow.policy.actuator`; the writer adds `kind`)."""
+    return {
+        "what": decision.action,
+        "why": decision.reason,
+        "step": obs.step,
+        "version": obs.version,
+        "rollout_slots": decision.rollout_slots,
+        "train_slots": decision.train_slots,
+        "gain_s": decision.gain_s,
+        "cost_s": decision.cost_s,
+        "throughput_now": decision.throughput_now,
+        "throughput_target": decision.throughput_target,
+        "rollout_rate": obs.rollout_rate,
+        "train_rate": obs.train_rate,
+        "rollout_idle": obs.rollout_idle,
+        "train_idle": obs.train_idle,
+        "reuse": obs.reuse,
+        "unit": obs.unit,
+    }

@@ -1,9 +1,11 @@
 """The tail policy: what to do with a batch's episodes that are still running.
 
-A plain object, observations in, decisions out; no Ray, no clock, no I/O. The Ray runtime and the
-cluster simulator feed it the same `TailObservation` (in-flight episodes with their progress, the
-engines' occupancy and measured tokens/s curves, the durations seen so far) and apply the actions it
-returns. Each action carries a `reason` with the numbers behind it: it becomes a metrics event.
+A plain object, observations in, decisions out; no Ray, no clock, no I/O. The Ray runtime
+(`reflow.runtime.tail`) and the cluster simulator (`reflow.sim.policies`) build the same
+`TailObservation` with `observe` (in-flight episodes with their progress, the engines' occupancy and
+measured tokens/s curves, the quantiles of the durations seen so far) and apply the actions it returns
+through their `reflow.policy.actuator.Actuator` (`apply_tail`). Each action carries a `reason` with the
+numbers behind it: it becomes a metrics event.
 
 The actions and their rules (B = groups per train step):
 
@@ -45,6 +47,17 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from reflow.metrics import quantile
+from reflow.policy.tail_actions import (
+    CarryOver,
+    FreeSlot,
+    Migrate,
+    OverProvision,
+    SetConcurrency,
+    TailAction,
+)
+
+QUANTILE_WINDOW = 512
+"""Completed durations the quantiles look back over (the recent ones: the policy drifts)."""
 
 
 def _doc(text: str) -> dict[str, str]:
@@ -106,7 +119,7 @@ class Quantiles:
     count: int
 
     @classmethod
-    def observed(cls, seconds: Sequence[float], window: int = 512) -> Quantiles | None:
+    def observed(cls, seconds: Sequence[float], window: int = QUANTILE_WINDOW) -> Quantiles | None:
         """p50, p90, p99 of the last `window` positive durations (recent ones: the policy drifts),
         as order statistics (`reflow.metrics.quantile`); None with fewer than 2. What both drivers,
         the Ray loop and the simulator, feed the policy."""
@@ -194,52 +207,31 @@ class TailObservation:
         return sorted({ep.group for ep in self.episodes})
 
 
-@dataclass(frozen=True)
-class OverProvision:
-    start: int
-    """Groups to start now."""
-    extra: int
-    """delta: groups beyond B this batch runs."""
-    reason: str
-    kind: Literal["over_provision"] = "over_provision"
-
-
-@dataclass(frozen=True)
-class CarryOver:
-    groups: tuple[str, ...]
-    episodes: tuple[str, ...]
-    reason: str
-    kind: Literal["carry_over"] = "carry_over"
-
-
-@dataclass(frozen=True)
-class Migrate:
-    episode: str
-    source: str
-    target: str
-    tokens: int
-    """Tokens the target re-prefills."""
-    reason: str
-    kind: Literal["migrate"] = "migrate"
-
-
-@dataclass(frozen=True)
-class FreeSlot:
-    engine: str
-    use: Literal["next_batch", "trainer"]
-    reason: str
-    kind: Literal["free_slot"] = "free_slot"
-
-
-@dataclass(frozen=True)
-class SetConcurrency:
-    engine: str
-    concurrency: int
-    reason: str
-    kind: Literal["set_concurrency"] = "set_concurrency"
-
-
-TailAction = OverProvision | CarryOver | Migrate | FreeSlot | SetConcurrency
+def observe(
+    batch_target: int,
+    groups_done: int,
+    episodes: Sequence[InFlightEpisode],
+    engines: Sequence[EngineState],
+    *,
+    group_seconds: Sequence[float] = (),
+    episode_seconds: Sequence[float] = (),
+    prefill_tokens_per_s: float = 0.0,
+    groups_queued: int = 0,
+    next_batch_room: int = 0,
+) -> TailObservation:
+    """The policy's observation from a driver's counters: the durations of the groups and episodes
+    completed so far become their recent quantiles (`Quantiles.observed`)."""
+    return TailObservation(
+        batch_target=batch_target,
+        groups_done=groups_done,
+        episodes=tuple(episodes),
+        engines=tuple(engines),
+        group_seconds=Quantiles.observed(group_seconds),
+        episode_seconds=Quantiles.observed(episode_seconds),
+        prefill_tokens_per_s=prefill_tokens_per_s,
+        groups_queued=groups_queued,
+        next_batch_room=next_batch_room,
+    )
 
 
 def concurrency_knee(curve: tuple[tuple[int, float], ...] | list[tuple[int, float]], eps: float) -> int:

@@ -1,10 +1,10 @@
-"""`reflow.sched`: the policy folder a rollout worker writes for SGLang servers to load, and what a
+"""`reflow.runtime`: the policy folder a rollout worker writes for SGLang servers to load, and what a
 device slot reserves."""
 
 import torch
 
 from reflow.models import build_tiny, load_model
-from reflow.sched.engines import write_policy
+from reflow.runtime.engines import write_policy
 
 
 def test_written_policy_is_a_complete_model_folder_without_stale_weight_files(tmp_path):
@@ -29,7 +29,7 @@ def test_a_slot_reserves_the_configured_share_of_a_gpu():
     from types import SimpleNamespace
 
     from reflow.config import load_config
-    from reflow.sched.pool import ResourcePool
+    from reflow.runtime.pool import ResourcePool
 
     def reserved(*overrides):
         config = load_config(None, ["env.id=reflow/Calc-v0", *overrides])

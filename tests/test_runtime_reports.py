@@ -1,7 +1,7 @@
 """What a rollout worker reports about a stored group: rewards, spread and tool latencies."""
 
 from reflow.records import EpisodeRecord, TurnRecord
-from reflow.sched.workers import report_group
+from reflow.runtime.workers import report_group
 
 
 def _episode(reward: float, status: str, latencies_s: list[float]) -> EpisodeRecord:
@@ -50,7 +50,7 @@ async def test_held_out_evaluation_is_greedy_by_default_or_a_mean_over_sampled_e
     import reflow.rollout.collect as collect_module
     from reflow.config import load_config
     from reflow.models import build_tiny
-    from reflow.sched.workers import RolloutWorker
+    from reflow.runtime.workers import RolloutWorker
 
     model_dir = str(build_tiny(tmp_path / "m", num_hidden_layers=1, hidden_size=32, intermediate_size=64))
     played = []
