@@ -15,7 +15,7 @@ import reflow.policy.dual_cycle as cycle
 import reflow.policy.elastic as elastic
 import reflow.policy.tail as tail
 import reflow.replay.planning as planning
-import reflow.sim.engine as engine
+import reflow.sim.simulation as simulation
 import reflow.sim.training as training
 from reflow.errors import ConfigError
 from reflow.sim.config import load_scenario, validate_scenario
@@ -69,7 +69,7 @@ def analytic_gen_s(s, engines: int) -> float:
 
 def test_sync_with_constant_lengths_is_generation_plus_training_plus_sync():
     s = constant(mode={"mode": "sync"})
-    out = engine.simulate(s)
+    out = simulation.simulate(s)
     tokens = s.batch.groups * s.batch.samples_per_group * 400
     expect = (
         analytic_gen_s(s, s.gpus)
@@ -86,7 +86,7 @@ def test_sync_with_constant_lengths_is_generation_plus_training_plus_sync():
 
 def test_async_eta_0_without_partial_is_the_sync_formula_on_separate_pools():
     s = constant(mode={"mode": "async", "eta": 0, "partial_rollout": False, "rollout_gpus": 4})
-    out = engine.simulate(s)
+    out = simulation.simulate(s)
     tokens = s.batch.groups * s.batch.samples_per_group * 400
     expect = (
         analytic_gen_s(s, 4)
@@ -123,25 +123,25 @@ def test_idle_ratio_is_defined_once_for_runs_and_the_simulator():
 def test_async_eta_0_equals_sync_step_for_step_with_random_lengths():
     # 16 GPUs split 8:8 with eta 0 against 8 colocated GPUs: same engines, same trainer, same sync cost.
     sep = sync_s(scenario().model, scenario().sync, colocated=False)
-    a = engine.simulate(
+    a = simulation.simulate(
         scenario(gpus=16, mode={"mode": "async", "eta": 0, "rollout_gpus": 8, "recompute_logprob": True})
     )
-    b = engine.simulate(scenario(gpus=8, mode={"mode": "sync"}, sync={"colocated_s": sep}))
+    b = simulation.simulate(scenario(gpus=8, mode={"mode": "sync"}, sync={"colocated_s": sep}))
     assert [r["wall_s"] for r in a["step_records"]] == pytest.approx([r["wall_s"] for r in b["step_records"]])
     assert a["staleness_hist"] == b["staleness_hist"] == {"0": 40}
 
 
 def test_deterministic_with_a_seed_and_the_seed_matters():
     s = scenario(mode={"mode": "async", "eta": 2})
-    one, two = engine.simulate(s), engine.simulate(s)
+    one, two = simulation.simulate(s), simulation.simulate(s)
     assert one == two
-    other = engine.simulate(scenario(mode={"mode": "async", "eta": 2}, run={"seed": 4}))
+    other = simulation.simulate(scenario(mode={"mode": "async", "eta": 2}, run={"seed": 4}))
     assert other["seconds_per_step"] != one["seconds_per_step"]
 
 
 def test_async_overlaps_and_staleness_stays_within_eta():
-    sync = engine.simulate(scenario(gpus=8, mode={"mode": "sync"}, train={"mfu": 0.05}))
-    out = engine.simulate(
+    sync = simulation.simulate(scenario(gpus=8, mode={"mode": "sync"}, train={"mfu": 0.05}))
+    out = simulation.simulate(
         scenario(gpus=8, mode={"mode": "async", "eta": 2, "rollout_gpus": 4}, train={"mfu": 0.05})
     )
     assert max(int(k) for k in out["staleness_hist"]) <= 2 + 1  # a straggler may be overtaken (AReaL)
@@ -159,10 +159,10 @@ def test_reflow_replays_when_rollout_is_short_and_respects_k():
             "cycle": {"max_reuse": 2, "share_init": 0.5, "share_max": 0.5},
         },
     )
-    out = engine.simulate(s)
+    out = simulation.simulate(s)
     assert out["replay_fraction"] > 0
     assert max(int(k) for k in out["reuse_hist"]) <= 2
-    base = engine.simulate(scenario(gpus=8, mode={"mode": "async", "eta": 1, "rollout_gpus": 2}))
+    base = simulation.simulate(scenario(gpus=8, mode={"mode": "async", "eta": 1, "rollout_gpus": 2}))
     assert out["steps_per_s"] > base["steps_per_s"]
 
 
@@ -184,10 +184,10 @@ def test_new_trained_tokens_count_a_groups_first_training_only():
         gpus=8,
         mode={"mode": "reflow", "eta": 1, "rollout_gpus": 2, "cycle": {"max_reuse": 2, "share_max": 0.5}},
     )
-    out = engine.simulate(s)
+    out = simulation.simulate(s)
     assert out["replay_fraction"] > 0
     assert out["new_trained_tokens_per_s"] < out["trained_tokens_per_s"]
-    sync = engine.simulate(scenario(gpus=8, mode={"mode": "sync"}))  # no replay: every group is new
+    sync = simulation.simulate(scenario(gpus=8, mode={"mode": "sync"}))  # no replay: every group is new
     assert sync["new_trained_tokens_per_s"] == sync["trained_tokens_per_s"]
 
 
@@ -195,12 +195,13 @@ def test_new_trained_tokens_count_a_groups_first_training_only():
 
 
 def test_the_simulator_imports_the_runtime_policies_not_copies():
-    assert engine.plan_batch is planning.plan_batch is training.plan_batch
-    assert engine.consume is planning.consume is training.consume
-    assert engine.AdmissionControl is cycle.AdmissionControl
-    assert engine.ReplayShare is cycle.ReplayShare
-    assert engine.CycleConfig is cycle.CycleConfig
     from reflow.sim import policies
+
+    assert training.plan_batch is planning.plan_batch
+    assert training.consume is planning.consume
+    assert policies.AdmissionControl is cycle.AdmissionControl
+    assert training.ReplayShare is cycle.ReplayShare
+    assert training.CycleConfig is cycle.CycleConfig
 
     assert policies.ElasticPolicy is elastic.ElasticPolicy
     assert policies.TailPolicy is tail.TailPolicy
@@ -253,7 +254,7 @@ def test_every_policy_call_goes_through_the_runtime_objects(monkeypatch):
     spy(elastic.ElasticPolicy, "decide")
     spy(tail.TailPolicy, "decide")
     s = scenario(mode={"mode": "reflow", "eta": 1, "rollout_gpus": 2, "elastic": True, "tail": True})
-    out = engine.simulate(s)
+    out = simulation.simulate(s)
     assert set(calls) == {"plan_batch", "consume", "room", "update", "decide"}
     assert calls["consume"] >= s.run.steps
     kinds = {e["kind"] for e in out["events"]}
@@ -270,7 +271,7 @@ def test_elastic_moves_slots_to_the_starved_side_with_the_role_change_cost():
         sync={"role_change_s": 5.0},
         train={"mfu": 0.5},
     )
-    out = engine.simulate(s)
+    out = simulation.simulate(s)
     moves = [e for e in out["events"] if e["kind"] == "elastic" and e["what"] != "hold"]
     assert moves and moves[0]["what"] == "to_rollout"
     assert out["rollout_gpus"] > 1
@@ -278,7 +279,7 @@ def test_elastic_moves_slots_to_the_starved_side_with_the_role_change_cost():
 
 
 def test_sim_imports_no_heavy_modules():
-    code = "import sys, reflow.sim.engine, reflow.sim.cli; print(sorted(sys.modules))"
+    code = "import sys, reflow.sim.simulation, reflow.sim.cli; print(sorted(sys.modules))"
     mods = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     heavy = ("torch", "transformers", "ray", "sglang", "fastapi", "docker")
     assert not [m for m in eval(mods) if m.split(".")[0] in heavy]
@@ -398,7 +399,7 @@ def test_lengths_from_a_replay_store_or_an_export(tmp_path):
     )
     assert load_lengths(str(tmp_path / "e.jsonl")) == [5, 9]
     s = scenario(workload={"lengths_from": str(tmp_path / "e.jsonl"), "max_response_tokens": 100})
-    out = engine.simulate(s)
+    out = simulation.simulate(s)
     per_sample = (
         out["generated_tokens_per_s"] * out["seconds_per_step"] / (s.batch.groups * s.batch.samples_per_group)
     )

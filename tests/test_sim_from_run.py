@@ -14,9 +14,9 @@ from replay_helpers import make_group
 
 from reflow.replay import ReplayStore
 from reflow.sim.config import validate_scenario
-from reflow.sim.engine import simulate
 from reflow.sim.from_run import compare, scenario_for
 from reflow.sim.measured import measure, run_folders
+from reflow.sim.simulation import simulate
 from reflow.sim.training import SyncRounds, round_size
 
 ENGINE_TOK_S, TRAINER_TOK_S, SYNC_S = 400.0, 2500.0, 0.02
@@ -198,7 +198,7 @@ def test_round_size_is_the_runtime_spread_round_size():
 
 
 def test_groups_per_engine_bounds_the_groups_in_flight(tmp_path):
-    from reflow.sim.engine import Simulation
+    from reflow.sim.simulation import Simulation
 
     store = tmp_path / "replay.sqlite"
     _store(store)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from test_sim import constant, scenario
 
-import reflow.sim.engine as engine
+import reflow.sim.simulation as simulation
 from reflow.sim.costs import decode_model, sync_s
 
 
@@ -24,7 +24,9 @@ def test_kv_pressure_slows_the_compute_term_only_while_a_request_waits_for_cache
     }
 
     def step(factor: float) -> float:
-        return engine.simulate(constant(decode={"kv_pressure_slowdown": factor}, **over))["seconds_per_step"]
+        return simulation.simulate(constant(decode={"kv_pressure_slowdown": factor}, **over))[
+            "seconds_per_step"
+        ]
 
     s = constant(**over)
     dm = decode_model(s.gpu, s.model, s.decode)
@@ -33,52 +35,52 @@ def test_kv_pressure_slows_the_compute_term_only_while_a_request_waits_for_cache
     assert step(3.0) - step(1.0) == pytest.approx(2.0 * dm.per_seq_s * L, rel=1e-9)
     # a cache that holds both: nothing waits, the factor never applies
     roomy = {**over, "model": {**over["model"], "kv_bytes_per_token": kv / 4}}
-    assert engine.simulate(constant(decode={"kv_pressure_slowdown": 3.0}, **roomy))["seconds_per_step"] == (
-        pytest.approx(engine.simulate(constant(**roomy))["seconds_per_step"], rel=1e-12)
-    )
+    assert simulation.simulate(constant(decode={"kv_pressure_slowdown": 3.0}, **roomy))[
+        "seconds_per_step"
+    ] == (pytest.approx(simulation.simulate(constant(**roomy))["seconds_per_step"], rel=1e-12))
 
 
 def test_colocated_engines_wake_up_after_each_sync_inside_the_generation_phase():
     # sync: the next batch's prefill runs while the engines wake up, so the step grows by the wake-up
     # less that prefill, and verl's `gen` column (the trainer's wait) holds it
-    plain = engine.simulate(constant(mode={"mode": "sync"}))
+    plain = simulation.simulate(constant(mode={"mode": "sync"}))
     s = constant(mode={"mode": "sync"}, sync={"colocated_wake_s": 9.0})
-    woken = engine.simulate(s)
+    woken = simulation.simulate(s)
     prefill = 100 * decode_model(s.gpu, s.model, s.decode).prefill_s_per_token
     assert woken["seconds_per_step"] == pytest.approx(plain["seconds_per_step"] + 9.0 - prefill, rel=1e-9)
     assert woken["trainer_wait_s"] - plain["trainer_wait_s"] == pytest.approx(9.0 - prefill, rel=1e-6)
     separate = {"mode": "async", "eta": 0, "partial_rollout": False, "rollout_gpus": 4}  # not colocated
-    assert engine.simulate(constant(mode=separate, sync={"colocated_wake_s": 9.0}))["seconds_per_step"] == (
-        pytest.approx(engine.simulate(constant(mode=separate))["seconds_per_step"], rel=1e-12)
-    )
+    assert simulation.simulate(constant(mode=separate, sync={"colocated_wake_s": 9.0}))[
+        "seconds_per_step"
+    ] == (pytest.approx(simulation.simulate(constant(mode=separate))["seconds_per_step"], rel=1e-12))
 
 
 def test_resume_after_a_sync_is_paid_only_by_engines_with_interrupted_requests():
-    from reflow.sim.rollout import GroupState, Request
+    from reflow.sim.engines import GroupState, Request
 
     # eta 0: nothing is in flight when the trainer syncs, so no engine has anything to resume
     mode = {"mode": "async", "eta": 0, "partial_rollout": True, "rollout_gpus": 4}
-    plain = engine.simulate(constant(mode=mode))
-    slow = engine.simulate(constant(mode=mode, sync={"resume_s": 7.0}))
+    plain = simulation.simulate(constant(mode=mode))
+    slow = simulation.simulate(constant(mode=mode, sync={"resume_s": 7.0}))
     assert slow["seconds_per_step"] == pytest.approx(plain["seconds_per_step"], rel=1e-12)
     assert slow["resume_s_mean"] == 0.0
     # eta 2, a fast trainer: requests are in flight at every sync; each engine holding some pays
     # resume_s plus the re-prefill of their contexts (the new weights invalidate the prefix cache)
     mode = {"mode": "async", "eta": 2, "partial_rollout": True, "rollout_gpus": 4}
     fast = {"mfu": 0.9, "fixed_s": 0.0}
-    plain = engine.simulate(constant(mode=mode, train=fast))
-    slow = engine.simulate(constant(mode=mode, train=fast, sync={"resume_s": 7.0}))
+    plain = simulation.simulate(constant(mode=mode, train=fast))
+    slow = simulation.simulate(constant(mode=mode, train=fast, sync={"resume_s": 7.0}))
     assert slow["resume_s_mean"] > 7.0 and slow["seconds_per_step"] > plain["seconds_per_step"]
-    sim = engine.Simulation(constant(mode=mode, sync={"resume_s": 7.0}))
+    sim = simulation.Simulation(constant(mode=mode, sync={"resume_s": 7.0}))
     e, g = sim.engines[0], GroupState("g", 0, 2, 0.0)
-    assert sim.resume_pause(e) == 0.0  # nothing running
+    assert sim.trainer.resume_pause(e) == 0.0  # nothing running
     for seq, ctx in enumerate((100, 250)):
         e.admit(Request(g, None, ctx=ctx, left=50), seq)
-    assert sim.resume_pause(e) == pytest.approx(7.0 + 350 * sim.dm.prefill_s_per_token, rel=1e-12)
+    assert sim.trainer.resume_pause(e) == pytest.approx(7.0 + 350 * sim.dm.prefill_s_per_token, rel=1e-12)
     drained = {"mode": "one_step_off", "rollout_gpus": 4}  # drains before the sync: nothing to resume
-    assert engine.simulate(constant(mode=drained, sync={"resume_s": 7.0}))[
+    assert simulation.simulate(constant(mode=drained, sync={"resume_s": 7.0}))[
         "seconds_per_step"
-    ] == pytest.approx(engine.simulate(constant(mode=drained))["seconds_per_step"], rel=1e-12)
+    ] == pytest.approx(simulation.simulate(constant(mode=drained))["seconds_per_step"], rel=1e-12)
 
 
 def test_the_tail_gate_bounds_a_batch_to_b_plus_delta_as_the_runtime_loop_does():
@@ -96,7 +98,7 @@ def test_the_tail_gate_bounds_a_batch_to_b_plus_delta_as_the_runtime_loop_does()
     )
 
     def peak(s) -> int:
-        sim = engine.Simulation(s)
+        sim = simulation.Simulation(s)
         seen, real_fill = [], sim.fill
 
         def fill() -> None:
@@ -117,7 +119,7 @@ def test_a_drain_before_the_sync_counts_as_the_trainers_wait():
     # the next batch before it syncs (verl's wait_prev_gen). With generation on 1 GPU slower than the
     # update on 7, every step is that wait + the update + the sync, and the wait is reported.
     s = constant(mode={"mode": "one_step_off", "rollout_gpus": 1}, train={"fixed_s": 0.2})
-    out = engine.simulate(s)
+    out = simulation.simulate(s)
     sync = sync_s(s.model, s.sync, colocated=False)
     assert out["trainer_wait_s"] > 0.5 * out["train_s"]
     assert out["trainer_wait_s"] + out["train_s"] + sync == pytest.approx(out["seconds_per_step"], rel=1e-6)

@@ -132,7 +132,7 @@ def _run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from reflow.sim.config import ModeConfig, load_scenario
-    from reflow.sim.engine import simulate
+    from reflow.sim.simulation import simulate
 
     if args.sweep:
         return _sweep(args)

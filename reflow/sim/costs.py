@@ -2,7 +2,7 @@
 and role changes, and the sampler of response lengths, turns and tool-call latencies.
 
 Each formula is one function over the validated scenario sections (reflow/sim/config.py), so the
-simulator (reflow/sim/engine.py) and the planner read the same numbers. The forms are from
+simulator (reflow/sim/simulation.py) and the planner read the same numbers. The forms are from
 decode is memory-bound (every iteration reads the active weights and the KV of
 every running sequence), training scales with tokens x 6 x active parameters, weight sync is a fixed
 cost plus bytes over bandwidth plus a gather.

@@ -21,7 +21,7 @@ import yaml
 from reflow.config import apply_overrides
 from reflow.errors import ConfigError
 from reflow.sim.config import _read_yaml, validate_scenario
-from reflow.sim.engine import simulate
+from reflow.sim.simulation import simulate
 
 
 @dataclass

@@ -18,8 +18,8 @@ from typing import Any
 
 from reflow.config import policy_active
 from reflow.sim.config import Scenario, validate_scenario
-from reflow.sim.engine import simulate
 from reflow.sim.measured import FIGURES, RunMeasurement
+from reflow.sim.simulation import simulate
 
 TOLERANCE = 0.15
 SEEDS = 5

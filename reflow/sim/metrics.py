@@ -13,6 +13,8 @@ from typing import Any
 
 from reflow.metrics import idle_ratio
 from reflow.metrics import quantile as _quantile
+from reflow.sim.config import Scenario
+from reflow.sim.store import SimStore
 
 
 class Recorder:
@@ -75,7 +77,7 @@ class Recorder:
         self.sync_s.append(seconds)
 
     def resume(self, seconds: float) -> None:
-        """An engine's pause after a partial-rollout sync (`TrainingSide.resume_pause`)."""
+        """An engine's pause after a partial-rollout sync (`Trainer.resume_pause`)."""
         self.resume_s.append(seconds)
 
     def no_signal(self) -> None:
@@ -92,20 +94,28 @@ class Recorder:
     def created(self, engine, now: float) -> None:
         self._created[engine.eid] = now
 
-    def rollout_busy(self, sim, now: float) -> tuple[float, float]:
-        busy = self.retired_busy_s + sum(e.busy_s for e in sim.engines if e.alive)
-        alive = self.retired_alive_s + sum(
-            now - self._created.get(e.eid, 0.0) for e in sim.engines if e.alive
-        )
+    def rollout_busy(self, engines: list, now: float) -> tuple[float, float]:
+        """Busy and alive engine-seconds so far, the retired engines' included."""
+        busy = self.retired_busy_s + sum(e.busy_s for e in engines if e.alive)
+        alive = self.retired_alive_s + sum(now - self._created.get(e.eid, 0.0) for e in engines if e.alive)
         return busy, alive
 
-    def version(self, sim) -> None:
-        now = sim.now
-        busy, alive = self.rollout_busy(sim, now)
+    def version(
+        self,
+        now: float,
+        version: int,
+        engines: list,
+        tp: int,
+        train_gpus: int,
+        replay_share: float,
+        phase: dict[str, float],
+    ) -> None:
+        """A version boundary: one step record (`phase`: the trainer's wait and train seconds)."""
+        busy, alive = self.rollout_busy(engines, now)
         self.steps.append(
             {
                 "step": len(self.steps) + 1,
-                "version": sim.version,
+                "version": version,
                 "wall_s": now,
                 "generated_tokens": self.generated_tokens,
                 "trained_tokens": self.trained_tokens,
@@ -114,18 +124,18 @@ class Recorder:
                 "samples_trained": self.samples_trained,
                 "rollout_idle_ratio": idle_ratio(busy, alive),
                 "trainer_idle_ratio": idle_ratio(self.trainer_busy_s, now),
-                "replay_share": sim.share.share,
-                "rollout_gpus": sum(e.alive for e in sim.engines) * sim.s.decode.tp,
-                "train_gpus": sim.train_gpus,
-                "trainer_wait_s": sim.phase.get("wait_s", 0.0),
-                "train_s": sim.phase.get("train_s", 0.0),
+                "replay_share": replay_share,
+                "rollout_gpus": sum(e.alive for e in engines) * tp,
+                "train_gpus": train_gpus,
+                "trainer_wait_s": phase.get("wait_s", 0.0),
+                "train_s": phase.get("train_s", 0.0),
                 "_busy": (busy, alive, self.trainer_busy_s),
             }
         )
 
-    def summary(self, sim, now: float) -> dict[str, Any]:
+    def summary(self, s: Scenario, mode: str, store: SimStore, now: float) -> dict[str, Any]:
         steps = self.steps
-        warm = min(sim.s.run.warmup_steps, len(steps) - 1)
+        warm = min(s.run.warmup_steps, len(steps) - 1)
         first = (
             steps[warm - 1]
             if warm > 0
@@ -144,11 +154,11 @@ class Recorder:
         n = len(steps) - warm
         busy0, alive0, train0 = first["_busy"]
         busy1, alive1, train1 = last["_busy"]
-        hist = sim.store.reuse_histogram()
+        hist = store.reuse_histogram()
         return {
-            "mode": sim.m.mode,
-            "scenario": sim.s.name,
-            "gpus": sim.s.gpus,
+            "mode": mode,
+            "scenario": s.name,
+            "gpus": s.gpus,
             "rollout_gpus": last["rollout_gpus"],
             "train_gpus": last["train_gpus"],
             "steps": len(steps),

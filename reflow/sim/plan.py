@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from reflow.sim.config import ModeConfig, Scenario
-from reflow.sim.engine import simulate
+from reflow.sim.simulation import simulate
 
 SPLITS = (0.25, 0.5, 0.75)
 """Rollout share of the GPUs tried by default."""

@@ -1,21 +1,23 @@
-"""The seam between the simulator and the policy objects: one function per policy call, and the
-simulator's `Actuator`.
+"""The seam between the simulator and the policy objects: the policies' observation and decision in
+simulated time, and the simulator's `Actuator`.
 
-Each function builds the policy's observation from simulated counters with the policy's own `observe`
-(the arithmetic the Ray runtime's observations go through too), calls the policy object
-(`reflow.policy.dual_cycle.AdmissionControl`, `reflow.policy.elastic.ElasticPolicy`,
-`reflow.policy.tail.TailPolicy`) and applies its decision through `SimActuator`, the
-`reflow.policy.actuator.Actuator` of simulated time, recording the decision as an event in the
-schema of the runtime's metrics (`kind`, `what`, `why`, the numbers). No decision logic lives here:
-only the translation of units (engines are slots, samples are the work unit) and the application of
-the actions with their costs from the cost model.
+Each policy step takes explicit inputs (the simulation's counters, its engines advanced to now), builds
+the policy's observation with the policy's own `observe` (the arithmetic the Ray runtime's observations
+go through too), calls the policy object (`reflow.policy.dual_cycle.AdmissionControl`,
+`reflow.policy.elastic.ElasticPolicy`, `reflow.policy.tail.TailPolicy`) and applies its decision
+through `SimActuator`, the `reflow.policy.actuator.Actuator` of simulated time. It returns the
+decision as an event in the schema of the runtime's metrics (`kind`, `what`, `why`, the numbers),
+which the simulation records. No decision logic lives here: only the translation of units (engines
+are slots, samples are the work unit) and the application of the actions with their costs from the
+cost model. `reflow.sim.simulation.Simulation` calls these at a version boundary and in the tail.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
 
-from reflow.policy.actuator import apply_tail, tail_event
+from reflow.policy.actuator import Actuator, apply_tail, tail_event
 from reflow.policy.dual_cycle import AdmissionControl
 from reflow.policy.elastic import (
     ElasticConfig,
@@ -26,15 +28,13 @@ from reflow.policy.elastic import (
     decision_event,
     observe,
 )
-from reflow.policy.tail import EngineState, InFlightEpisode, TailConfig, TailPolicy
+from reflow.policy.tail import EngineState, InFlightEpisode, TailConfig, TailObservation, TailPolicy
 from reflow.policy.tail import observe as observe_tail
 from reflow.policy.tail_actions import FreeSlot, Migrate, SetConcurrency
 from reflow.sim.config import ModeConfig, Scenario
-from reflow.sim.costs import role_change_s
-
-if TYPE_CHECKING:
-    from reflow.sim.engine import Simulation
-    from reflow.sim.rollout import Engine, Request
+from reflow.sim.costs import DecodeModel, role_change_s
+from reflow.sim.engines import Engine, Request
+from reflow.sim.training import Trainer
 
 
 def admission_for(m: ModeConfig, groups_per_step: int) -> tuple[AdmissionControl, int]:
@@ -64,63 +64,81 @@ def make_elastic(s: Scenario, m: ModeConfig) -> ElasticPolicy:
     )
 
 
-def elastic_step(sim: Simulation) -> None:
-    """At a version boundary: the last interval's counters observed as the runtime observes them
-    (`reflow.policy.elastic.observe`), ElasticPolicy asked, its move applied through the actuator."""
-    rec, now = sim.rec, sim.now
-    busy, alive = rec.rollout_busy(sim, now)
-    snap = (
-        now,
-        busy,
-        alive,
-        rec.samples_generated,
-        rec.trainer_busy_s,
-        rec.samples_trained,
-        rec.replayed_groups,
-        rec.groups_trained,
-    )
-    last = sim.elastic_snap or (0.0,) * len(snap)
-    sim.elastic_snap = snap
-    d = [a - b for a, b in zip(snap, last, strict=True)]
-    dt, d_busy, d_alive, d_gen, d_train_busy, d_trained, d_replay, d_groups = d
-    # the rollout slot-seconds offered are counted (engines came and went): no ordering check on the
-    # differences, whose sums over engines may lose an ulp when one retires
-    interval = Interval(dt, d_busy, d_gen, d_train_busy, d_trained, rollout_offered_s=d_alive)
-    obs = observe(
-        interval,
-        step=len(rec.steps),
-        version=sim.version,
-        steps_since_change=len(rec.steps) - sim.elastic_changed_at,
-        rollout_slots=sum(e.alive for e in sim.engines),
-        train_slots=sim.train_gpus // sim.s.decode.tp,
-        batch_size=float(sim.B * sim.s.batch.samples_per_group),
-        replay_share=min(0.95, d_replay / d_groups) if d_groups else 0.0,  # the measured share
-        fresh_waiting=sim.store.fresh_count(),
-        in_flight=sim.store.in_flight(),
-        to_rollout_cost=sim.cost_to_rollout,
-        to_train_cost=sim.cost_to_train,
-    )
-    decision = sim.elastic.decide(obs)
-    rec.event({"kind": "elastic", "t": now, **decision_event(decision, obs)})
-    if not decision.moves:
-        return
-    sim.elastic_changed_at = len(rec.steps)
-    cost = sim.actuator.move_slot(decision)
-    if decision.action == "to_train":
-        sim.cost_to_train = cost
-    else:
-        sim.cost_to_rollout = cost
+class ElasticCounters(NamedTuple):
+    """The simulation's cumulative counters at a version boundary; the policy's interval is the
+    difference of two."""
+
+    now: float
+    rollout_busy_s: float
+    rollout_alive_s: float
+    samples_generated: float
+    trainer_busy_s: float
+    samples_trained: float
+    replayed_groups: float
+    groups_trained: float
 
 
-def _evacuate(sim: Simulation, engine) -> None:
-    """Resubmit an engine's sequences with their exact token prefix (re-prefilled elsewhere)."""
-    engine.advance(sim.now)
-    for _, _, req in list(engine.running):
-        sim.rec.generated(engine.remove(req))
-        sim.n_running -= 1
-        sim.prefilling += 1
-        sim.push(sim.now + req.ctx * sim.dm.prefill_s_per_token, "ready", req)
-    engine.token += 1
+@dataclass
+class ElasticSlots:
+    """What the observation needs at a boundary beyond the counters."""
+
+    step: int
+    version: int
+    rollout_slots: int
+    train_slots: int
+    batch_size: float
+    fresh_waiting: int
+    in_flight: int
+
+
+class ElasticStep:
+    """The elastic policy with what it remembers between its calls: the last counters, the step of
+    its last move and the role-change costs it has seen."""
+
+    def __init__(self, policy: ElasticPolicy) -> None:
+        self.policy = policy
+        self.last: ElasticCounters | None = None
+        self.changed_at = 0
+        self.cost_to_rollout: RoleChangeCost | None = None
+        self.cost_to_train: RoleChangeCost | None = None
+
+    def at_boundary(
+        self, counters: ElasticCounters, slots: ElasticSlots, actuator: Actuator
+    ) -> dict[str, Any]:
+        """The last interval observed as the runtime observes it (`reflow.policy.elastic.observe`),
+        ElasticPolicy asked, its move applied through the actuator. Returns the decision's event."""
+        last = self.last or (0.0,) * len(counters)
+        self.last = counters
+        d = [a - b for a, b in zip(counters, last, strict=True)]
+        dt, d_busy, d_alive, d_gen, d_train_busy, d_trained, d_replay, d_groups = d
+        # the rollout slot-seconds offered are counted (engines came and went): no ordering check on
+        # the differences, whose sums over engines may lose an ulp when one retires
+        interval = Interval(dt, d_busy, d_gen, d_train_busy, d_trained, rollout_offered_s=d_alive)
+        obs = observe(
+            interval,
+            step=slots.step,
+            version=slots.version,
+            steps_since_change=slots.step - self.changed_at,
+            rollout_slots=slots.rollout_slots,
+            train_slots=slots.train_slots,
+            batch_size=slots.batch_size,
+            replay_share=min(0.95, d_replay / d_groups) if d_groups else 0.0,  # the measured share
+            fresh_waiting=slots.fresh_waiting,
+            in_flight=slots.in_flight,
+            to_rollout_cost=self.cost_to_rollout,
+            to_train_cost=self.cost_to_train,
+        )
+        decision = self.policy.decide(obs)
+        event = {"kind": "elastic", "t": counters.now, **decision_event(decision, obs)}
+        if not decision.moves:
+            return event
+        self.changed_at = slots.step
+        cost = actuator.move_slot(decision)
+        if decision.action == "to_train":
+            self.cost_to_train = cost
+        else:
+            self.cost_to_rollout = cost
+        return event
 
 
 # ---- tail scheduler
@@ -137,55 +155,62 @@ def make_tail(m: ModeConfig) -> TailPolicy:
     return TailPolicy(TailConfig(**m.tail_config))
 
 
-class TailGateCache:
-    """The tail gate's last answer, by what it depends on (fresh groups with spread, groups in flight,
-    completed group durations seen), so the policy is asked once per change, as the runtime asks it
-    once per wake-up of its loop."""
-
-    def __init__(self) -> None:
-        self.key: tuple[int, int, int] | None = None
-        self.room = 0
-
-
-def tail_room(sim: Simulation) -> int:
+class SimTailGate:
     """How many more groups the batch being collected may start, as the runtime's tail gate
     (`reflow.runtime.tail.TailGate`) reads TailPolicy: the `start` of its OverProvision (at most
     B + delta groups done or in flight), 0 when it asks for none (B done: carry over). The
-    observation is the runtime's: one entry per group in flight, no per-episode progress."""
-    cache = sim.tail_gate
-    in_flight = sim.store.in_flight_groups()
-    done = sim.store.reuse_histogram(spread=True).get(0, 0)  # fresh groups with spread, not trained
-    key = (done, len(in_flight), len(sim.rec.group_seconds))
-    if key == cache.key:
-        return cache.room
-    obs = observe_tail(
-        sim.B,
-        done,
-        [InFlightEpisode(gid, gid, "pool", 0, 0, 0.0) for gid in in_flight],
-        [EngineState("pool", len(in_flight), max(1, len(in_flight)))],
-        group_seconds=sim.rec.group_seconds,
-    )
-    room = next((a.start for a in sim.tail.decide(obs) if a.kind == "over_provision"), 0)
-    cache.key, cache.room = key, room
-    return room
+    observation is the runtime's: one entry per group in flight, no per-episode progress. The last
+    answer is kept by what it depends on (fresh groups with spread, groups in flight, completed group
+    durations seen), so the policy is asked once per change, as the runtime asks it once per wake-up
+    of its loop."""
+
+    def __init__(self, policy: TailPolicy, groups_per_batch: int) -> None:
+        self.policy, self.B = policy, groups_per_batch
+        self.key: tuple[int, int, int] | None = None
+        self.room = 0
+
+    def __call__(self, done: int, in_flight: list[str], group_seconds: list[float]) -> int:
+        """`done`: fresh groups with spread, not trained; `in_flight`: the ids of the groups running."""
+        key = (done, len(in_flight), len(group_seconds))
+        if key == self.key:
+            return self.room
+        obs = observe_tail(
+            self.B,
+            done,
+            [InFlightEpisode(gid, gid, "pool", 0, 0, 0.0) for gid in in_flight],
+            [EngineState("pool", len(in_flight), max(1, len(in_flight)))],
+            group_seconds=group_seconds,
+        )
+        self.room = next((a.start for a in self.policy.decide(obs) if a.kind == "over_provision"), 0)
+        self.key = key
+        return self.room
 
 
-def tail_step(sim: Simulation) -> None:
-    """Ask TailPolicy about the running batch at the level of sequences and apply its engine-level
-    actions through the actuator (consolidation, concurrency limits, as the Ray runtime's
-    `reflow.runtime.tail` does; `tail.migrate` / `tail.set_concurrency` switch them off);
-    over-provisioning is the gate (`tail_room`)."""
-    if not (sim.tail.cfg.migrate or sim.tail.cfg.set_concurrency):
-        return
-    if sim.store.in_flight() > max(8, sim.B // 4) and sim.rec.steps:
-        return  # no tail yet: most of the batch is still running
-    now, engines = sim.now, {f"e{e.eid}": e for e in sim.engines if e.alive}
-    reqs = {}
+def acts_on_engines(tail: TailPolicy) -> bool:
+    """Whether the tail policy may act on engines (`tail.migrate` / `tail.set_concurrency`); without
+    either, over-provisioning (the gate) is all it does."""
+    return tail.cfg.migrate or tail.cfg.set_concurrency
+
+
+def observe_engines(
+    now: float,
+    engines: dict[str, Engine],
+    dm: DecodeModel,
+    groups_per_batch: int,
+    fresh_waiting: int,
+    group_seconds: list[float],
+    episode_seconds: list[float],
+    groups_queued: int,
+    next_batch_room: int,
+) -> tuple[TailObservation, dict[str, Request]]:
+    """The running batch at the level of sequences, observed as the Ray runtime observes it
+    (`reflow.policy.tail.observe`), from engines advanced to `now`; and the request of each episode
+    id, for the actuator."""
+    requests = {}
     episodes = []
     for eid, e in engines.items():
-        e.advance(now)
         for _, rid, req in e.running:
-            reqs[str(rid)] = req
+            requests[str(rid)] = req
             episodes.append(
                 InFlightEpisode(
                     str(rid), req.group.gid, eid, req.turn, int(req.ctx + e.S - req.s0), now - req.started_at
@@ -194,28 +219,29 @@ def tail_step(sim: Simulation) -> None:
     ctx_mean = sum(ep.tokens for ep in episodes) / len(episodes) if episodes else 1000.0
     states = []
     for eid, e in engines.items():
-        curve = tuple((c, sim.dm.tokens_per_s(c, c * ctx_mean)) for c in _powers(sim.dm.max_running))
+        curve = tuple((c, dm.tokens_per_s(c, c * ctx_mean)) for c in _powers(dm.max_running))
         states.append(EngineState(eid, e.b, e.max_running, curve))
     obs = observe_tail(
-        sim.B,
-        sim.store.fresh_count(),
+        groups_per_batch,
+        fresh_waiting,
         episodes,
         states,
-        group_seconds=sim.rec.group_seconds,
-        episode_seconds=sim.rec.episode_seconds,
+        group_seconds=group_seconds,
+        episode_seconds=episode_seconds,
         # 0: no prefill rate known (a `--from-run` engine folds prefill into its measured rate), so no
         # migration is priced, as on a runtime engine whose health reports no prefill counters
-        prefill_tokens_per_s=1.0 / sim.dm.prefill_s_per_token if sim.dm.prefill_s_per_token > 0 else 0.0,
-        groups_queued=len({r.group.gid for r in sim.queue}),
-        next_batch_room=sim.admission_room(),
+        prefill_tokens_per_s=1.0 / dm.prefill_s_per_token if dm.prefill_s_per_token > 0 else 0.0,
+        groups_queued=groups_queued,
+        next_batch_room=next_batch_room,
     )
-    sim.actuator.engines, sim.actuator.requests = engines, reqs
-    for action in sim.tail.decide(obs):
-        outcome = apply_tail(action, sim.actuator)
-        sim.rec.event({"kind": "tail", "t": now, "version": sim.version, **tail_event(action, outcome)})
-    sim.blocked = False
-    sim.dispatch()
-    sim.fill()
+    return obs, requests
+
+
+def tail_step(tail: TailPolicy, obs: TailObservation, actuator: Actuator) -> list[dict[str, Any]]:
+    """Ask TailPolicy about the running batch and apply its engine-level actions through the actuator
+    (consolidation, concurrency limits, as the Ray runtime's `reflow.runtime.tail` does);
+    over-provisioning is the gate's (`SimTailGate`). Returns one event per action."""
+    return [tail_event(action, apply_tail(action, actuator)) for action in tail.decide(obs)]
 
 
 def _powers(limit: int) -> list[int]:
@@ -226,47 +252,62 @@ def _powers(limit: int) -> list[int]:
     return [*out, limit]
 
 
+class SimulatedCluster(Protocol):
+    """What `SimActuator` applies decisions to (`reflow.sim.simulation.Simulation`): the clock and its
+    events, the engines and the trainer, and the rollout side's entry points for taking work off an
+    engine."""
+
+    s: Scenario
+    dm: DecodeModel
+    now: float
+    engines: list[Engine]
+    trainer: Trainer
+
+    def push(self, at: float, kind: str, obj: Any = None, token: int = 0) -> None: ...
+    def recount(self) -> None: ...
+    def evacuate(self, engine: Engine) -> None: ...
+    def retire(self, engine: Engine) -> None: ...
+    def take_off(self, req: Request, engine: Engine) -> None: ...
+
+
 class SimActuator:
     """The simulator's `reflow.policy.actuator.Actuator`: the policies' decisions applied to the
     simulation, priced by its cost model. `engines` and `requests` name what the last tail
-    observation saw (engine id -> engine, episode id -> its request); `tail_step` sets them."""
+    observation saw (engine id -> engine, episode id -> its request); `saw` sets them."""
 
-    def __init__(self, sim: Simulation) -> None:
-        self.sim = sim
+    def __init__(self, cluster: SimulatedCluster) -> None:
+        self.cluster = cluster
         self.engines: dict[str, Engine] = {}
         self.requests: dict[str, Request] = {}
+
+    def saw(self, engines: dict[str, Engine], requests: dict[str, Request]) -> None:
+        self.engines, self.requests = engines, requests
 
     def move_slot(self, decision: ElasticDecision) -> RoleChangeCost:
         """Towards training the engine with the fewest sequences running leaves (they are resubmitted
         elsewhere with their exact prefix); towards rollout a train slot leaves the trainer. Either
         way the trainer group re-forms, and the slot is back in its new role after the cost model's
         role change."""
-        sim, tp = self.sim, self.sim.s.decode.tp
-        cost = role_change_s(sim.s.sync)
+        c = self.cluster
+        tp, cost = c.s.decode.tp, role_change_s(c.s.sync)
         if decision.action == "to_train":
-            victim = min((e for e in sim.engines if e.alive), key=lambda e: (e.b, -e.eid))
-            _evacuate(sim, victim)
-            victim.alive = False
-            sim.rec.retire(victim, sim.now)
-            sim.recount()
-            sim.push(sim.now + cost, "role_done", ("train", tp))
+            victim = min((e for e in c.engines if e.alive), key=lambda e: (e.b, -e.eid))
+            c.evacuate(victim)
+            c.retire(victim)
+            c.push(c.now + cost, "role_done", ("train", tp))
+            c.trainer.reform(0)
         else:
-            sim.train_gpus -= tp
-            sim.push(sim.now + cost, "role_done", ("engine", tp))
-        sim.trainer_blocked += 1  # the trainer group re-forms in either direction
-        sim.recount()
+            c.trainer.reform(tp)
+            c.push(c.now + cost, "role_done", ("engine", tp))
+        c.recount()
         return RoleChangeCost(actor_start_s=cost)
 
     def migrate(self, action: Migrate) -> dict[str, Any]:
         """The sequence leaves its engine and lands on the target after re-prefilling its prefix."""
-        sim = self.sim
-        req, src = self.requests[action.episode], self.engines[action.source]
-        sim.rec.generated(src.remove(req))
-        sim.n_running -= 1
-        src.token += 1
-        sim.reschedule(src)
-        at = sim.now + action.tokens * sim.dm.prefill_s_per_token
-        sim.push(at, "migrated", (req, self.engines[action.target]))
+        c = self.cluster
+        c.take_off(self.requests[action.episode], self.engines[action.source])
+        at = c.now + action.tokens * c.dm.prefill_s_per_token
+        c.push(at, "migrated", (self.requests[action.episode], self.engines[action.target]))
         return {"applied": True}
 
     def free_engine(self, action: FreeSlot) -> dict[str, Any]:
@@ -275,5 +316,5 @@ class SimActuator:
 
     def set_concurrency(self, action: SetConcurrency) -> dict[str, Any]:
         self.engines[action.engine].max_running = action.concurrency
-        self.sim.recount()
+        self.cluster.recount()
         return {"applied": True}

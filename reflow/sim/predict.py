@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from reflow.sim.config import ModeConfig, Scenario
-from reflow.sim.engine import simulate
 from reflow.sim.policies import SGLANG_TAIL
+from reflow.sim.simulation import simulate
 
 COLUMNS = (
     "seconds_per_step",

@@ -10,16 +10,23 @@ nothing; colocated engines wake up after every sync (`sync.colocated_wake_s`). `
 runtime's sync-loop collection (reflow/recipes `collect_groups`): a round of B groups, then rounds for
 those that came back without reward spread.
 
-`TrainingSide` is a mixin of `reflow.sim.engine.Simulation`: it reads and writes the same state.
+`Trainer` is a component the `reflow.sim.simulation.Simulation` holds (`sim.trainer`): it owns the
+trainer's state (the weights' version, the step under way, the sync) and calls the simulation's
+methods for what the rollout side owns (pausing and waking engines, starting groups).
 """
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
+from reflow.policy.dual_cycle import CycleConfig, ReplayShare
 from reflow.policy.task_selection import round_size
 from reflow.replay.planning import consume, plan_batch
-from reflow.sim import policies
-from reflow.sim.costs import sync_s, train_s
-from reflow.sim.rollout import Engine
+from reflow.sim.config import ModeConfig, Scenario
+from reflow.sim.costs import DecodeModel, sync_s, train_s
+from reflow.sim.engines import Engine
+from reflow.sim.metrics import Recorder
+from reflow.sim.store import SimStore
 
 
 class SyncRounds:
@@ -58,25 +65,90 @@ class SyncRounds:
         return None
 
 
-class TrainingSide:
-    """Train steps, syncs and resumes of a `Simulation` (see the module docstring)."""
+class RolloutSide(Protocol):
+    """What the trainer uses of the simulation that holds it (`reflow.sim.simulation.Simulation`): the
+    clock and its events, the shared store and recorder, and the rollout side's few entry points."""
+
+    s: Scenario
+    m: ModeConfig
+    dm: DecodeModel
+    colocated: bool
+    rounds: SyncRounds | None
+    store: SimStore
+    rec: Recorder
+    now: float
+    requests_out: int
+
+    def push(self, at: float, kind: str, obj: Any = None, token: int = 0) -> None: ...
+    def fill(self) -> None: ...
+    def dispatch(self) -> None: ...
+    def pause_engines(self) -> list[Engine]: ...
+    def wake(self, e: Engine, pause: float, counted: bool) -> None: ...
+    def at_version_boundary(self) -> None: ...
+
+
+class Trainer:
+    """The trainer side of a `Simulation` (see the module docstring): it owns the step, the sync and
+    the weights' version; the simulation it belongs to owns the clock, the engines, the store and the
+    recorder, and this class reaches them only through the simulation's methods and those objects."""
+
+    def __init__(self, sim: RolloutSide, train_gpus: int) -> None:
+        s, m = sim.s, sim.m
+        self.sim, self.s, self.m = sim, s, m
+        self.colocated = sim.colocated
+        self.train_gpus = train_gpus
+        self.B, self.trigger = s.batch.groups, m.trigger
+        if self.B % self.trigger:
+            raise ValueError(f"batch.groups {self.B} is not a multiple of mode.trigger {self.trigger}")
+        # The tail policy's carry-over is a partial rollout: unfinished groups continue after the sync.
+        self.partial = (m.partial_rollout or m.tail) and m.mode in ("async", "reflow")
+        self.recompute = m.recompute_logprob if m.recompute_logprob is not None else m.mode != "async"
+        if m.mode == "reflow" and m.recompute_logprob is None:
+            self.recompute = False
+        self.cycle = CycleConfig(**m.cycle) if m.mode == "reflow" else CycleConfig(max_reuse=1)
+        self.share = ReplayShare(self.cycle)
+        self.version = 0
+        self.chunk = 0  # mini-batches trained in this sync period
+        self.fresh_trained = 0
+        self.trained_at = [0]  # fresh groups trained by the first v steps, per version v
+        self.busy = False
+        self.blocked = 0  # a sync or group re-form under way
+        self.draining = False
+        self.syncing = False
+        self.paused_by_sync: list[Engine] = []
+        self.wait_since: float | None = 0.0
+        self.version_wait = self.version_train = 0.0
+        self.phase: dict[str, float] = {}
+        """The last version's trainer wait and train seconds (verl's `gen` and update columns)."""
+
+    def reform(self, leaving_gpus: int) -> None:
+        """A role change begins: the trainer group re-forms (no step until `reformed`); `leaving_gpus`
+        leave it now (a slot moving to rollout)."""
+        self.train_gpus -= leaving_gpus
+        self.blocked += 1
+
+    def reformed(self, joining_gpus: int) -> None:
+        """The role change is done; `joining_gpus` joined (a slot moving to training)."""
+        self.blocked -= 1
+        self.train_gpus += joining_gpus
 
     def try_train(self) -> None:
-        if self.trainer_busy or self.trainer_blocked or self.draining or self.syncing:
+        sim = self.sim
+        if self.busy or self.blocked or self.draining or self.syncing:
             return
         want = self.B // self.trigger
-        if self.rounds is not None:
-            size = self.rounds.train_size()
+        if sim.rounds is not None:
+            size = sim.rounds.train_size()
             if size is None:
                 return
             if size == 0:  # no group with spread in any round: no step, collect again
-                self.rec.no_signal()
-                self.rounds.reset()
-                self.fill()
+                sim.rec.no_signal()
+                sim.rounds.reset()
+                sim.fill()
                 return
             want = size
         plan = plan_batch(
-            self.store,
+            sim.store,
             want=want,
             current_version=self.version,
             share=self.share.share,
@@ -86,7 +158,7 @@ class TrainingSide:
         if plan.size < want:
             return
         step = self.version * self.trigger + self.chunk
-        consume(self.store, plan, step)
+        consume(sim.store, plan, step)
         self.fresh_trained += len(plan.fresh)
         tokens = sum(g.meta["tokens"] for g in plan.groups)
         dt = train_s(
@@ -100,18 +172,18 @@ class TrainingSide:
             fixed_share=1 / self.trigger,
         )
         if self.wait_since is not None:
-            self.version_wait += self.now - self.wait_since
+            self.version_wait += sim.now - self.wait_since
             self.wait_since = None
-        self.rec.trained(plan, self.version, self.s.batch.samples_per_group)
-        self.trainer_busy = True
+        sim.rec.trained(plan, self.version, self.s.batch.samples_per_group)
+        self.busy = True
         self.version_train += dt
-        self.rec.trainer_busy(dt)
-        self.push(self.now + dt, "trained", plan)
-        self.fill()
+        sim.rec.trainer_busy(dt)
+        sim.push(sim.now + dt, "trained", plan)
+        sim.fill()
 
     def on_trained(self, plan, _token: int) -> None:
-        self.trainer_busy = False
-        self.wait_since = self.now
+        self.busy = False
+        self.wait_since = self.sim.now
         stale = plan.staleness(self.version)
         kl = self.m.kl_per_version * (sum(stale) / len(stale) if stale else 0.0)
         self.share.update(self.version, trainer_wait_s=self.version_wait, masked_frac=0.0, kl=kl)
@@ -120,28 +192,26 @@ class TrainingSide:
             self.try_train()
             return
         self.chunk = 0
-        if self.partial or self.colocated or self.requests_out == 0:
+        if self.partial or self.colocated or self.sim.requests_out == 0:
             self.start_sync()
         else:
             self.draining = True  # no new work; the sync starts when the last request ends
 
     def start_sync(self) -> None:
+        sim = self.sim
         if self.wait_since is not None:  # a drain before the sync: the trainer waits for the last requests
-            self.version_wait += self.now - self.wait_since  # (verl one-step-off's wait_prev_gen)
+            self.version_wait += sim.now - self.wait_since  # (verl one-step-off's wait_prev_gen)
             self.wait_since = None
         self.phase = {"wait_s": self.version_wait, "train_s": self.version_train}
         self.version_wait = self.version_train = 0.0
         self.draining, self.syncing = False, True
         dt = sync_s(self.s.model, self.s.sync, self.colocated)
-        self.paused_by_sync = list(self.engines)
-        for e in self.paused_by_sync:
-            e.advance(self.now)
-            e.paused += 1
-            e.token += 1
-        self.rec.sync(dt)  # the trainer waits for it, but it is not training (as the runs count it)
-        self.push(self.now + dt, "synced")
+        self.paused_by_sync = sim.pause_engines()
+        sim.rec.sync(dt)  # the trainer waits for it, but it is not training (as the runs count it)
+        sim.push(sim.now + dt, "synced")
 
     def on_synced(self, _obj, _token: int) -> None:
+        sim = self.sim
         self.syncing = False
         self.version += 1
         self.trained_at.append(self.fresh_trained)
@@ -149,26 +219,17 @@ class TrainingSide:
             pause = self.resume_pause(e) if self.partial else 0.0
             if self.colocated:
                 pause = self.s.sync.colocated_wake_s
-            for _, _, req in e.running:  # partial rollout: these continue with the new weights
-                req.versions.add(self.version)
-            if pause > 0:  # the engine wakes up after the trainer has moved on
-                if not self.colocated:
-                    self.rec.resume(pause)
-                self.push(self.now + pause, "resumed", e)
-            else:
-                self.on_resumed(e, 0)
-        if self.rounds is not None:
-            self.store.discard_fresh()  # spares of a finished sync step are never trained
-            self.rounds.reset()
-        self.store.prune(self.version - self.cycle.tau_max, self.cycle.max_reuse)
-        self.rec.version(self)
-        if self.elastic is not None:
-            policies.elastic_step(self)
-        if self.tail is not None:
-            policies.tail_step(self)
-        self.wait_since = self.now
-        self.dispatch()
-        self.fill()
+            # partial rollout: its running requests continue with the new weights; the engine wakes
+            # up after the trainer has moved on (a colocated wake-up is not a resume pause)
+            sim.wake(e, pause, counted=not self.colocated)
+        if sim.rounds is not None:
+            sim.store.discard_fresh()  # spares of a finished sync step are never trained
+            sim.rounds.reset()
+        sim.store.prune(self.version - self.cycle.tau_max, self.cycle.max_reuse)
+        sim.at_version_boundary()
+        self.wait_since = sim.now
+        sim.dispatch()
+        sim.fill()
         self.try_train()
 
     def resume_pause(self, e: Engine) -> float:
@@ -176,11 +237,4 @@ class TrainingSide:
         requests; else the fixed wake-up (`sync.resume_s`) and the re-prefill of their contexts."""
         if not e.alive or not e.running:
             return 0.0
-        return self.s.sync.resume_s + e.context() * self.dm.prefill_s_per_token
-
-    def on_resumed(self, e: Engine, _token: int) -> None:
-        e.t = self.now
-        e.paused -= 1
-        self.reschedule(e)
-        self.dispatch()
-        self.fill()
+        return self.s.sync.resume_s + e.context() * self.sim.dm.prefill_s_per_token

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reflow.sim.config import Scenario, load_scenario
-from reflow.sim.engine import simulate
+from reflow.sim.simulation import simulate
 
 TOLERANCE = 0.15
 

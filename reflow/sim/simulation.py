@@ -1,13 +1,16 @@
 """The discrete-event core of the cluster simulator: rollout engines, the trainer and weight sync on an
 event heap, in simulated seconds, driven by the project's own policy objects.
 
-What it owns: time, engines (continuous batching as processor sharing: every running sequence gains
-one token per iteration, an iteration costs `DecodeModel.iter_s(b, context)`), requests (one per
-sample and turn, with tool calls between turns) and which groups start when. The trainer, the weight
-sync and the engines' resume are its mixin `reflow.sim.training.TrainingSide`. What it does not own: which groups may start (`AdmissionControl`), which groups a
-step trains (`plan_batch` / `consume`), how much replay (`ReplayShare`), the rollout:train split
-(`ElasticPolicy`) and the tail actions (`TailPolicy`): those are the runtime's objects, imported
-here and called through reflow/sim/policies.py, so a change to a policy changes the simulation.
+What `Simulation` owns: time and the event heap, the rollout side (engines, continuous batching as
+processor sharing: every running sequence gains one token per iteration, an iteration costs
+`DecodeModel.iter_s(b, context)`; requests, one per sample and turn, with tool calls between turns;
+which groups start when), and the store and recorder both sides share. What it holds: the trainer
+side, `reflow.sim.training.Trainer` (`self.trainer`: train steps, the weight sync, the weights'
+version), and the policies' drivers. What it does not own: which groups may start
+(`AdmissionControl`), which groups a step trains (`plan_batch` / `consume`), how much replay
+(`ReplayShare`), the rollout:train split (`ElasticPolicy`) and the tail actions (`TailPolicy`): those
+are the runtime's objects, observed and asked through reflow/sim/policies.py, whose decisions
+`SimActuator` applies here, so a change to a policy changes the simulation.
 
 The modes are one machine with four settings (reflow/sim/config.py `ModeConfig`): sync is colocated
 with eta = 0; one_step_off is eta = 1 with drain-before-sync; async is eta (or verl's fractional
@@ -19,30 +22,20 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+from collections.abc import Callable
 
-from reflow.policy.dual_cycle import AdmissionControl, CycleConfig, ReplayShare
-from reflow.replay.planning import accepted_groups, consume, plan_batch
+from reflow.replay.planning import accepted_groups
 from reflow.sim import policies
 from reflow.sim.config import ModeConfig, Scenario
 from reflow.sim.costs import LengthSampler, decode_model, load_lengths
+from reflow.sim.engines import Engine, GroupState, Request
 from reflow.sim.measured import load_groups
 from reflow.sim.metrics import Recorder
-from reflow.sim.rollout import Engine, GroupState, Request
 from reflow.sim.store import SimStore
-from reflow.sim.training import SyncRounds, TrainingSide
-
-__all__ = [
-    "AdmissionControl",
-    "CycleConfig",
-    "ReplayShare",
-    "Simulation",
-    "consume",
-    "plan_batch",
-    "simulate",
-]
+from reflow.sim.training import SyncRounds, Trainer
 
 
-class Simulation(TrainingSide):
+class Simulation:
     def __init__(self, s: Scenario, mode: ModeConfig | None = None) -> None:
         self.s, self.m = s, mode or s.mode
         m = self.m
@@ -53,49 +46,32 @@ class Simulation(TrainingSide):
         self.sampler = LengthSampler(s.workload, s.run.seed, lengths, groups)
         self.B = s.batch.groups
         rollout_gpus = s.gpus if self.colocated else (m.rollout_gpus or s.gpus // 2)
-        self.train_gpus = s.gpus if self.colocated else s.gpus - rollout_gpus
         self.engines = [Engine(i, self.dm) for i in range(rollout_gpus // s.decode.tp)]
-        self.trigger = m.trigger
-        if self.B % self.trigger:
-            raise ValueError(f"batch.groups {self.B} is not a multiple of mode.trigger {self.trigger}")
-        # The tail policy's carry-over is a partial rollout: unfinished groups continue after the sync.
-        self.partial = (m.partial_rollout or m.tail) and m.mode in ("async", "reflow")
-        self.recompute = m.recompute_logprob if m.recompute_logprob is not None else m.mode != "async"
-        if m.mode == "reflow" and m.recompute_logprob is None:
-            self.recompute = False
-        self.admission, self.version_scale = policies.admission_for(m, self.B)
-        use_rounds = self.colocated and m.resample_rounds is not None
-        self.rounds = SyncRounds(self.B, m.resample_rounds or 0) if use_rounds else None
-        self.paused_by_sync: list[Engine] = []
-        self.cycle = CycleConfig(**m.cycle) if m.mode == "reflow" else CycleConfig(max_reuse=1)
-        self.share = ReplayShare(self.cycle)
         self.store = SimStore()
         self.rec = Recorder(len(self.engines))
-        self.elastic = policies.make_elastic(s, m) if m.elastic else None
-        self.tail = policies.make_tail(m) if m.tail else None
-        self.tail_gate = policies.TailGateCache()
+        use_rounds = self.colocated and m.resample_rounds is not None
+        self.rounds = SyncRounds(self.B, m.resample_rounds or 0) if use_rounds else None
+        self.trainer = Trainer(self, s.gpus if self.colocated else s.gpus - rollout_gpus)
+        self.admission, self.version_scale = policies.admission_for(m, self.B)
+        self.elastic = policies.ElasticStep(policies.make_elastic(s, m)) if m.elastic else None
+        tail = policies.make_tail(m) if m.tail else None
+        self.tail = tail
+        self.tail_gate = policies.SimTailGate(tail, self.B) if tail is not None else None
         self.actuator = policies.SimActuator(self)  # what applies the policies' decisions
-        # what policies.elastic_step measures between its calls, and the role-change costs it has seen
-        self.elastic_snap: tuple[float, ...] | None = None
-        self.elastic_changed_at = 0
-        self.cost_to_rollout = self.cost_to_train = None
         self.events: list[tuple[float, int, str, object, int]] = []
         self.seq = itertools.count()
         self.now = 0.0
-        self.version = 0
-        self.chunk = 0
+        self.handlers: dict[str, Callable[[object, int], None]] = {
+            "ready": self.on_ready,
+            "engine": self.on_engine,
+            "migrated": self.on_migrated,
+            "role_done": self.on_role_done,
+            "resumed": self.on_resumed,
+            "trained": self.trainer.on_trained,
+            "synced": self.trainer.on_synced,
+        }
         self.queue: deque[Request] = deque()
-        self.fresh_trained = 0
-        self.trained_at = [0]  # fresh groups trained by the first v steps, per version v
         self.groups = itertools.count()
-        self.trainer_busy = False
-        self.trainer_blocked = 0  # a sync or group re-form under way
-        self.draining = False
-        self.syncing = False
-        self.wait_since: float | None = 0.0
-        self.version_wait = self.version_train = 0.0
-        self.phase: dict[str, float] = {}
-        """The last version's trainer wait and train seconds (verl's `gen` and update columns)."""
         self.requests_out = 0  # requests on engines, queued or in a tool call
         self.prefilling = 0  # requests in prefill or a tool call, not yet queued
         self.open: list[tuple[int, int, Engine]] = []  # engines by load, lazily updated
@@ -104,6 +80,11 @@ class Simulation(TrainingSide):
         self.capacity = self.n_running = 0
         self.recount()
 
+    @property
+    def version(self) -> int:
+        """The weights' version: the trainer's, which the engines hold since the last sync."""
+        return self.trainer.version
+
     # ---- the event loop
 
     def push(self, at: float, kind: str, obj: object = None, token: int = 0) -> None:
@@ -111,16 +92,16 @@ class Simulation(TrainingSide):
 
     def run(self) -> dict:
         self.fill()
-        self.try_train()
+        self.trainer.try_train()
         while self.version < self.s.run.steps:
             if not self.events:
                 raise RuntimeError(f"simulation stalled at t={self.now:.1f} s, version {self.version}")
             at, _, kind, obj, token = heapq.heappop(self.events)
             self.now = at
-            getattr(self, f"on_{kind}")(obj, token)
+            self.handlers[kind](obj, token)
         for e in self.engines:
             e.advance(self.now)
-        return self.rec.summary(self, self.now)
+        return self.rec.summary(self.s, self.m.mode, self.store, self.now)
 
     def reschedule(self, e: Engine) -> None:
         e.token += 1
@@ -131,7 +112,7 @@ class Simulation(TrainingSide):
     # ---- rollout
 
     def admission_room(self) -> int:
-        if self.draining or self.syncing:
+        if self.trainer.draining or self.trainer.syncing:
             return 0
         if self.rounds is not None:  # the sync loop's rounds instead of admission control
             return self.rounds.left()
@@ -143,12 +124,13 @@ class Simulation(TrainingSide):
         # As the runtime's driver asks it (reflow/recipes/decoupled.py): at the engines' version, with
         # the fresh groups the first `version` steps trained (fewer than version * B when replay filled).
         accepted = accepted_groups(self.store)
-        trained = self.trained_at[self.version]
+        trained = self.trainer.trained_at[self.version]
         room = self.admission.room(
             self.version * self.version_scale, accepted, self.store.in_flight(), trained
         )
-        if self.tail is not None and room > 0:  # the runtime's tail gate: at most B + delta a batch
-            room = min(room, policies.tail_room(self))
+        if self.tail_gate is not None and room > 0:  # the runtime's tail gate: at most B + delta a batch
+            done = self.store.reuse_histogram(spread=True).get(0, 0)  # fresh groups with spread, not trained
+            room = min(room, self.tail_gate(done, self.store.in_flight_groups(), self.rec.group_seconds))
         return room
 
     def recount(self) -> None:
@@ -203,7 +185,7 @@ class Simulation(TrainingSide):
         if self.blocked:
             return
         touched = set()
-        while self.queue and not self.syncing:
+        while self.queue and not self.trainer.syncing:
             req, chosen, skipped = self.queue[0], None, []
             while self.open:
                 entry = heapq.heappop(self.open)
@@ -246,7 +228,7 @@ class Simulation(TrainingSide):
                 self.reschedule(e)
 
     def admit_into(self, e: Engine) -> None:
-        while self.queue and not self.syncing and e.has_room(self.queue[0]):
+        while self.queue and not self.trainer.syncing and e.has_room(self.queue[0]):
             req = self.queue.popleft()
             req.versions.add(self.version)
             e.admit(req, next(self.seq))
@@ -294,8 +276,8 @@ class Simulation(TrainingSide):
         g.pending -= 1
         if g.pending == 0:
             self.group_done(g)
-        if self.draining and self.requests_out == 0:
-            self.start_sync()
+        if self.trainer.draining and self.requests_out == 0:
+            self.trainer.start_sync()
 
     def group_done(self, g: GroupState) -> None:
         zero = g.zero if g.zero is not None else self.sampler.rng.random() < self.s.workload.zero_spread_prob
@@ -305,8 +287,8 @@ class Simulation(TrainingSide):
         if self.rounds is not None:
             self.rounds.done(not zero)
         if self.tail is not None:
-            policies.tail_step(self)
-        self.try_train()
+            self.tail_step()
+        self.trainer.try_train()
 
     def on_migrated(self, obj, _token: int) -> None:
         """A consolidated sequence lands on its target engine after re-prefilling its prefix."""
@@ -321,22 +303,138 @@ class Simulation(TrainingSide):
             self.blocked = False
             self.dispatch()
 
-    # ---- role changes (applied by policies.SimActuator.move_slot)
+    # ---- the sync (the trainer's), as the engines see it
+
+    def pause_engines(self) -> list[Engine]:
+        """Every engine stops at the sync; the trainer wakes them (`wake`) once the weights are in."""
+        paused = list(self.engines)
+        for e in paused:
+            e.advance(self.now)
+            e.paused += 1
+            e.token += 1
+        return paused
+
+    def wake(self, e: Engine, pause: float, counted: bool) -> None:
+        """After a sync: the engine's running requests continue with the new weights (partial rollout),
+        after `pause` seconds (`counted`: a resume pause the runs report)."""
+        for _, _, req in e.running:
+            req.versions.add(self.version)
+        if pause > 0:
+            if counted:
+                self.rec.resume(pause)
+            self.push(self.now + pause, "resumed", e)
+        else:
+            self.on_resumed(e, 0)
+
+    def on_resumed(self, e: Engine, _token: int) -> None:
+        e.t = self.now
+        e.paused -= 1
+        self.reschedule(e)
+        self.dispatch()
+        self.fill()
+
+    # ---- the policies at a version boundary and in the tail
+
+    def at_version_boundary(self) -> None:
+        """A sync is done: the step's record, then the elastic and tail policies asked."""
+        tr = self.trainer
+        tp = self.s.decode.tp
+        self.rec.version(self.now, self.version, self.engines, tp, tr.train_gpus, tr.share.share, tr.phase)
+        if self.elastic is not None:
+            self.elastic_step()
+        if self.tail is not None:
+            self.tail_step()
+
+    def elastic_step(self) -> None:
+        rec = self.rec
+        busy, alive = rec.rollout_busy(self.engines, self.now)
+        counters = policies.ElasticCounters(
+            self.now,
+            busy,
+            alive,
+            rec.samples_generated,
+            rec.trainer_busy_s,
+            rec.samples_trained,
+            rec.replayed_groups,
+            rec.groups_trained,
+        )
+        slots = policies.ElasticSlots(
+            step=len(rec.steps),
+            version=self.version,
+            rollout_slots=sum(e.alive for e in self.engines),
+            train_slots=self.trainer.train_gpus // self.s.decode.tp,
+            batch_size=float(self.B * self.s.batch.samples_per_group),
+            fresh_waiting=self.store.fresh_count(),
+            in_flight=self.store.in_flight(),
+        )
+        rec.event(self.elastic.at_boundary(counters, slots, self.actuator))
+
+    def tail_step(self) -> None:
+        """The tail policy's engine-level actions on the running batch (none until its tail)."""
+        if not policies.acts_on_engines(self.tail):
+            return
+        if self.store.in_flight() > max(8, self.B // 4) and self.rec.steps:
+            return  # no tail yet: most of the batch is still running
+        engines = {f"e{e.eid}": e for e in self.engines if e.alive}
+        for e in engines.values():
+            e.advance(self.now)
+        obs, requests = policies.observe_engines(
+            self.now,
+            engines,
+            self.dm,
+            self.B,
+            self.store.fresh_count(),
+            self.rec.group_seconds,
+            self.rec.episode_seconds,
+            groups_queued=len({r.group.gid for r in self.queue}),
+            next_batch_room=self.admission_room(),
+        )
+        self.actuator.saw(engines, requests)
+        for event in policies.tail_step(self.tail, obs, self.actuator):
+            self.rec.event({"kind": "tail", "t": self.now, "version": self.version, **event})
+        self.blocked = False
+        self.dispatch()
+        self.fill()
+
+    # ---- what the actuator applies: work taken off engines, role changes
+
+    def evacuate(self, engine: Engine) -> None:
+        """Resubmit an engine's sequences with their exact token prefix (re-prefilled elsewhere)."""
+        engine.advance(self.now)
+        for _, _, req in list(engine.running):
+            self.rec.generated(engine.remove(req))
+            self.n_running -= 1
+            self.prefilling += 1
+            self.push(self.now + req.ctx * self.dm.prefill_s_per_token, "ready", req)
+        engine.token += 1
+
+    def retire(self, engine: Engine) -> None:
+        """The engine leaves the rollout side (its slot goes to the trainer)."""
+        engine.alive = False
+        self.rec.retire(engine, self.now)
+        self.recount()
+
+    def take_off(self, req: Request, engine: Engine) -> None:
+        """One sequence leaves its engine mid-turn (a migration), its progress kept in `req`."""
+        self.rec.generated(engine.remove(req))
+        self.n_running -= 1
+        engine.token += 1
+        self.reschedule(engine)
 
     def on_role_done(self, obj, _token: int) -> None:
         kind, n = obj
-        self.trainer_blocked -= 1
         if kind == "engine":
+            self.trainer.reformed(0)
             e = Engine(len(self.engines), self.dm)
             e.t = self.now
             self.engines.append(e)
             self.rec.created(e, self.now)
             self.recount()
         else:
-            self.train_gpus += n
+            self.trainer.reformed(n)
         self.dispatch()
         self.fill()
-        self.try_train()
+        self.trainer.try_train()
 
 
 def simulate(s: Scenario, mode: ModeConfig | None = None) -> dict:
