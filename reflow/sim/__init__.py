@@ -2,8 +2,9 @@
 in simulated time, at cluster sizes this machine cannot reach.
 
 `config` (scenario YAML), `costs` (the cost model), `store` (the replay store's query surface in memory),
-`engine` (the discrete-event core and the rollout side), `training` (train steps, syncs, resumes, the sync
-loop's rounds), `rollout` (engines and requests), `policies` (the seam to the runtime's policy objects),
+`simulation` (the event loop and the rollout side), `training` (the `SimTrainer` the simulation holds: train
+steps, syncs, resumes; the sync loop's rounds), `engines` (simulated inference engines and their
+requests), `policies` (the seam to the runtime's policy objects, and the simulator's `Actuator`),
 `metrics` (the run-metric names), `validate` and `fit` (published targets), `measured` and `from_run`
 (a finished run's costs in, its figures predicted), `predict` and `plan` (comparisons, sweeps, the
 planner), `cli` (`reflow simulate`). Imports no Ray, torch or engine code: it runs anywhere the core

@@ -77,7 +77,7 @@ class Recorder:
         self.sync_s.append(seconds)
 
     def resume(self, seconds: float) -> None:
-        """An engine's pause after a partial-rollout sync (`Trainer.resume_pause`)."""
+        """An engine's pause after a partial-rollout sync (`SimTrainer.resume_pause`)."""
         self.resume_s.append(seconds)
 
     def no_signal(self) -> None:

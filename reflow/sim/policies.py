@@ -34,7 +34,7 @@ from reflow.policy.tail_actions import FreeSlot, Migrate, SetConcurrency
 from reflow.sim.config import ModeConfig, Scenario
 from reflow.sim.costs import DecodeModel, role_change_s
 from reflow.sim.engines import Engine, Request
-from reflow.sim.training import Trainer
+from reflow.sim.training import SimTrainer
 
 
 def admission_for(m: ModeConfig, groups_per_step: int) -> tuple[AdmissionControl, int]:
@@ -261,7 +261,7 @@ class SimulatedCluster(Protocol):
     dm: DecodeModel
     now: float
     engines: list[Engine]
-    trainer: Trainer
+    trainer: SimTrainer
 
     def push(self, at: float, kind: str, obj: Any = None, token: int = 0) -> None: ...
     def recount(self) -> None: ...

@@ -5,7 +5,7 @@ What `Simulation` owns: time and the event heap, the rollout side (engines, cont
 processor sharing: every running sequence gains one token per iteration, an iteration costs
 `DecodeModel.iter_s(b, context)`; requests, one per sample and turn, with tool calls between turns;
 which groups start when), and the store and recorder both sides share. What it holds: the trainer
-side, `reflow.sim.training.Trainer` (`self.trainer`: train steps, the weight sync, the weights'
+side, `reflow.sim.training.SimTrainer` (`self.trainer`: train steps, the weight sync, the weights'
 version), and the policies' drivers. What it does not own: which groups may start
 (`AdmissionControl`), which groups a step trains (`plan_batch` / `consume`), how much replay
 (`ReplayShare`), the rollout:train split (`ElasticPolicy`) and the tail actions (`TailPolicy`): those
@@ -32,10 +32,12 @@ from reflow.sim.engines import Engine, GroupState, Request
 from reflow.sim.measured import load_groups
 from reflow.sim.metrics import Recorder
 from reflow.sim.store import SimStore
-from reflow.sim.training import SyncRounds, Trainer
+from reflow.sim.training import SimTrainer, SyncRounds
 
 
 class Simulation:
+    """One scenario in one mode: the event loop and the rollout side, holding the trainer side."""
+
     def __init__(self, s: Scenario, mode: ModeConfig | None = None) -> None:
         self.s, self.m = s, mode or s.mode
         m = self.m
@@ -51,7 +53,7 @@ class Simulation:
         self.rec = Recorder(len(self.engines))
         use_rounds = self.colocated and m.resample_rounds is not None
         self.rounds = SyncRounds(self.B, m.resample_rounds or 0) if use_rounds else None
-        self.trainer = Trainer(self, s.gpus if self.colocated else s.gpus - rollout_gpus)
+        self.trainer = SimTrainer(self, s.gpus if self.colocated else s.gpus - rollout_gpus)
         self.admission, self.version_scale = policies.admission_for(m, self.B)
         self.elastic = policies.ElasticStep(policies.make_elastic(s, m)) if m.elastic else None
         tail = policies.make_tail(m) if m.tail else None

@@ -10,7 +10,7 @@ nothing; colocated engines wake up after every sync (`sync.colocated_wake_s`). `
 runtime's sync-loop collection (reflow/recipes `collect_groups`): a round of B groups, then rounds for
 those that came back without reward spread.
 
-`Trainer` is a component the `reflow.sim.simulation.Simulation` holds (`sim.trainer`): it owns the
+`SimTrainer` is a component the `reflow.sim.simulation.Simulation` holds (`sim.trainer`): it owns the
 trainer's state (the weights' version, the step under way, the sync) and calls the simulation's
 methods for what the rollout side owns (pausing and waking engines, starting groups).
 """
@@ -87,7 +87,7 @@ class RolloutSide(Protocol):
     def at_version_boundary(self) -> None: ...
 
 
-class Trainer:
+class SimTrainer:
     """The trainer side of a `Simulation` (see the module docstring): it owns the step, the sync and
     the weights' version; the simulation it belongs to owns the clock, the engines, the store and the
     recorder, and this class reaches them only through the simulation's methods and those objects."""
