@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ import ray
 
 from reflow.config import RunConfig
 from reflow.runtime.replay_service import REPLAY_THREADS, ReplayService, cycle_config
-from reflow.runtime.role_change import RoleChange, move_slot
+from reflow.runtime.role_change import RoleChange, Slot, move_slot
 from reflow.runtime.workers import GroupReport, RolloutWorker, TrainerRank
 from reflow.sandbox.reaper import mark_run, reap_run
 
@@ -54,16 +53,6 @@ def start_ray(config: RunConfig) -> None:
     else:
         cpus = max(len(config.resources.slots), os.cpu_count() or 1)
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
-
-
-@dataclass
-class Slot:
-    """One device slot: its role now, the actor holding it, and its bundle (placement group, index)."""
-
-    index: int
-    role: str
-    actor: Any = None
-    bundle: tuple[Any, int] | None = None
 
 
 def slot_resources(config: RunConfig) -> dict[str, float]:

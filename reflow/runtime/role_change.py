@@ -34,15 +34,37 @@ import contextlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import ray
 
 from reflow.policy.elastic import RoleChangeCost
 from reflow.runtime.workers import GroupReport, report_group
 
-if TYPE_CHECKING:
-    from reflow.runtime.pool import ResourcePool, Slot
+
+@dataclass
+class Slot:
+    """One device slot: its role now, the actor holding it, and its bundle (placement group, index)."""
+
+    index: int
+    role: str
+    actor: Any = None
+    bundle: tuple[Any, int] | None = None
+
+
+class SlotOwner(Protocol):
+    """What a role change needs of the pool that owns the slot (`ResourcePool`, which imports this
+    module to move a slot: it is not imported back)."""
+
+    replay: Any
+
+    @property
+    def trainers(self) -> list[Any]: ...
+
+    def place(self, slot: Slot, role: str, *, rank: int = 0, world_size: int = 1) -> Any: ...
+
+    def roles(self) -> list[str]: ...
+
 
 ACTOR_STOP_TIMEOUT_S = 60.0
 """How long a rollout worker may take to close its engine before its actor is killed: a launched SGLang
@@ -95,7 +117,7 @@ class RoleChange:
 
 
 def move_slot(
-    pool: ResourcePool,
+    pool: SlotOwner,
     slot: Slot,
     to_role: str,
     in_flight: Mapping[Any, Sequence[str]] | None,
@@ -169,7 +191,7 @@ def move_slot(
 
 
 def _drain(
-    pool: ResourcePool, in_flight: dict[Any, Sequence[str]], timeout_s: float | None
+    pool: SlotOwner, in_flight: dict[Any, Sequence[str]], timeout_s: float | None
 ) -> tuple[list[GroupReport], list[str], list[str]]:
     """Wait for the slot's groups in flight; (stored reports, failed group ids, abandoned group ids)."""
     if not in_flight:
@@ -205,7 +227,7 @@ def stored_after_all(replay: Any, abandoned: list[str]) -> tuple[list[GroupRepor
     return late, gone
 
 
-def _gather_state(pool: ResourcePool) -> tuple[Any, Any]:
+def _gather_state(pool: SlotOwner) -> tuple[Any, Any]:
     """Object refs to rank 0's (weights, rest of the state); every rank takes part (a collective)."""
     refs = [t.full_state.options(num_returns=2).remote() for t in pool.trainers]
     ray.wait(list(refs[0]), num_returns=2)
@@ -222,7 +244,7 @@ def _stop(slot: Slot) -> None:
     slot.actor = None
 
 
-def _join(pool: ResourcePool) -> None:
+def _join(pool: SlotOwner) -> None:
     """The train slots form a new group: ranks by slot order, rendezvous at rank 0's address."""
     trainers = pool.trainers
     world = len(trainers)
