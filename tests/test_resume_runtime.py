@@ -38,8 +38,8 @@ def test_a_resumed_run_moves_a_slot_and_pushes_weights_after_its_checkpoint_is_r
     from rich.console import Console
 
     from reflow.models.presets import resolve_model_path
+    from reflow.recipes.initial_model import prepare_model
     from reflow.recipes.run_log import RunLog
-    from reflow.recipes.warm_phase import prepare_model
     from reflow.runtime.pool import ResourcePool
 
     ray.init(num_cpus=6, include_dashboard=False)
@@ -80,7 +80,7 @@ def test_a_resume_restores_the_scheduler(tmp_path, ray_env):
     from rich.console import Console
 
     from reflow.recipes.agent_train import train
-    from reflow.train.checkpoint import STATE_FILE, latest_checkpoint
+    from reflow.train.trainer_state import STATE_FILE, latest_checkpoint
 
     overrides = [
         *BASE,
@@ -134,7 +134,7 @@ def test_a_run_ended_by_its_budget_checkpoints_the_scheduler_it_ended_with(tmp_p
 
     from reflow.recipes.agent_train import train
     from reflow.recipes.run_log import read_metrics
-    from reflow.train.checkpoint import STATE_FILE, latest_checkpoint
+    from reflow.train.trainer_state import STATE_FILE, latest_checkpoint
 
     overrides = [
         *BASE,

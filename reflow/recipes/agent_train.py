@@ -28,6 +28,7 @@ from reflow.recipes.checkpoints import (
     start_lineage,
 )
 from reflow.recipes.evaluation import evaluate, evaluate_snapshots, measure_headroom
+from reflow.recipes.initial_model import prepare_model
 from reflow.recipes.run_log import RunLog, plot_run, run_summary, step_record, summary_table
 from reflow.recipes.run_state import (
     Clock,
@@ -39,7 +40,6 @@ from reflow.recipes.run_state import (
     steps_left,
     took_step,
 )
-from reflow.recipes.warm_phase import prepare_model
 from reflow.recipes.weight_sync import sync_weights
 from reflow.runtime.pool import ResourcePool, start_ray
 from reflow.runtime.workers import GroupReport

@@ -98,7 +98,7 @@ def resumed_config(config: RunConfig, ckpt: Path) -> RunConfig:
     slots between roles), so the resumed pool starts as the run left off; a checkpoint without one
     (sync mode, or older) keeps the configured layout, and so does a saved layout below the elastic
     pool's minimums as configured now (its policy refuses to decide from such a split)."""
-    from reflow.train.checkpoint import read_state
+    from reflow.train.trainer_state import read_state
 
     roles = read_state(ckpt).get("extra", {}).get("run_state", {}).get("scheduler", {}).get("roles")
     if not roles or len(roles) != len(config.resources.slots) or roles == config.resources.slots:

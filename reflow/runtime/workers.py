@@ -350,13 +350,13 @@ class TrainerRank:
         return state if self.rank == 0 else None
 
     def save_checkpoint(self, root: str, extra: dict[str, Any], keep: int) -> str | None:
-        from reflow.train.checkpoint import save_checkpoint
+        from reflow.train.trainer_state import save_checkpoint
 
         path = save_checkpoint(root, self.trainer, self.tokenizer, extra=extra, keep=keep)
         return str(path) if path else None
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
-        from reflow.train.checkpoint import load_checkpoint
+        from reflow.train.trainer_state import load_checkpoint
 
         return load_checkpoint(path, self.trainer)
 
