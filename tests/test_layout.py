@@ -369,6 +369,27 @@ def test_no_import_circle_between_modules():
 
 
 @pytest.mark.slow
+def test_one_meaning_per_name():
+    """A reader who meets a name twice meets one concept: no module beside its own plural or beside a
+    near-twin (`checkpoint`/`checkpoints`), and "pool" only for a set of reusable objects handed out
+    and taken back (sandboxes, env instances); the run's device slots are its `Cluster`."""
+    modules = _module_files()
+    stems: dict[str, set[str]] = {}
+    for module in modules:
+        package, _, stem = module.rpartition(".")
+        stems.setdefault(package, set()).add(stem)
+    for package, names in stems.items():
+        twins = sorted(n for n in names if f"{n}s" in names)
+        assert not twins, f"{package}: {twins} beside their plurals"
+    pool_homes = ("reflow.sandbox", "reflow.server")
+    for module, path in modules.items():
+        if module.startswith(pool_homes):
+            continue
+        assert "pool" not in module.rpartition(".")[2], f"{module}: a pool outside {pool_homes}"
+        pools = [c.name for c in _classes(path) if c.name.endswith("Pool")]
+        assert not pools, f"{module}: {pools}"
+
+
 def test_wheel_installs_only_reflow_top_level_names(tmp_path):
     subprocess.run(
         [

@@ -121,7 +121,7 @@ def observe_tasks(
     config: RunConfig, state: RunState, seeds: list[int], reports: list[GroupReport], workers: int = 1
 ) -> None:
     """Each group's successes to the learnability filter (a no-op with `tasks.learnability` off).
-    `reports` come as `ResourcePool.generate(seeds)` returns them: the seeds dealt round-robin over
+    `reports` come as `Cluster.generate(seeds)` returns them: the seeds dealt round-robin over
     `workers` rollout workers, then worker by worker."""
     tasks = task_filter(config, state)
     if tasks is None:

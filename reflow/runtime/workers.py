@@ -1,6 +1,6 @@
 """The Ray actors of a run: rollout workers (an engine plus env instances) and trainer ranks.
 
-Both are plain classes, made remote by `reflow.runtime.pool` on a device slot, so they can also be used
+Both are plain classes, made remote by `reflow.runtime.cluster` on a device slot, so they can also be used
 in-process (tests, debugging). A rollout worker plays GRPO groups, fixes each group's advantages and
 stores it durably in the replay store before reporting it; a trainer rank reads groups from the store,
 takes its share of the rows and does one update (FSDP2 across ranks).
