@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_role_change.py [--config configs/calc-tiny.yaml] [--rounds 3]
         [--slots rollout,rollout,train]
 
-A local Ray pool of the config's model is started with `--slots`; then `--rounds` round trips: one
+A local Ray cluster of the config's model is started with `--slots`; then `--rounds` round trips: one
 group starts on the last rollout worker, that slot moves to training while the group is in flight
 (drain, state gather, actor stop + TrainerRank start, FSDP2 group re-form, state load), the group of
 m + 1 ranks takes a train step, and the last train slot moves back to rollout (state gather, ranks
@@ -26,7 +26,7 @@ import ray
 
 from reflow.config import load_config
 from reflow.models.presets import resolve_model_path
-from reflow.runtime.pool import ResourcePool
+from reflow.runtime.cluster import Cluster
 
 PARTS = ("drain_s", "actor_start_s", "weight_load_s", "group_reform_s", "cost_s", "wall_s")
 
@@ -51,21 +51,21 @@ def main() -> None:
         )
         model_path = str(resolve_model_path(config.model, **config.model_overrides))
         ray.init(num_cpus=len(slots) + 1, include_dashboard=False, log_to_driver=False)
-        pool = ResourcePool(config, model_path, Path(tmp))
+        cluster = Cluster(config, model_path, Path(tmp))
         events: dict[str, list[dict]] = {"to_train": [], "to_rollout": []}
         try:
             for i in range(args.rounds):
                 gid = uuid.uuid4().hex
-                ray.get(pool.replay.begin_group.remote(gid, pool.version()))
-                ref = pool.rollout[-1].generate.remote([i], [gid])
-                change = pool.move("rollout", "train", {ref: [gid]})
+                ray.get(cluster.replay.begin_group.remote(gid, cluster.version()))
+                ref = cluster.rollout[-1].generate.remote([i], [gid])
+                change = cluster.move("rollout", "train", {ref: [gid]})
                 events["to_train"].append(change.event())
                 ids = [r.group_id for r in change.drained]
                 if ids:
-                    pool.train_step(ids, i + 1)
-                events["to_rollout"].append(pool.move("train", "rollout").event())
+                    cluster.train_step(ids, i + 1)
+                events["to_rollout"].append(cluster.move("train", "rollout").event())
         finally:
-            pool.shutdown()
+            cluster.shutdown()
             ray.shutdown()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"model {config.model} ({args.config}), slots {args.slots}, {args.rounds} rounds, "

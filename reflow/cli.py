@@ -178,9 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="also print the summaries as one JSON line")
     p.set_defaults(fn=cmd_envs_play)
 
-    from reflow.recipes import bench_modes, rollout, train_cli, warmstart
+    from reflow.recipes import bench_modes, rollout_cli, train_cli, warmstart
 
-    rollout.add_parser(sub)
+    rollout_cli.add_parser(sub)
     warmstart.add_parser(sub)
     train_cli.add_parser(sub)
     bench_modes.add_parser(sub)

@@ -11,7 +11,7 @@ from sandbox_helpers import LIMITS
 
 from reflow.env import Observation, Task
 from reflow.sandbox import SandboxPool, make_sandbox
-from reflow.sandbox.session import SandboxCodeRunner
+from reflow.sandbox.code_runner import SandboxCodeRunner
 
 _pools: dict[tuple[str, int], SandboxPool] = {}
 _lock = threading.Lock()

@@ -84,8 +84,8 @@ def test_the_drained_worker_is_the_one_with_the_fewest_groups_in_flight():
         worker_to_drain([])
 
 
-class _RecordingPool:
-    """What `ElasticRuntime` needs of a `ResourcePool`; `move` records the call and returns a change."""
+class _RecordingCluster:
+    """What `ElasticRuntime` needs of a `Cluster`; `move` records the call and returns a change."""
 
     def __init__(self, roles):
         from types import SimpleNamespace
@@ -119,15 +119,15 @@ class _RecordingPool:
 def test_the_runtime_moves_the_least_busy_worker_and_remembers_the_measured_cost():
     from reflow.runtime.elastic import ElasticRuntime
 
-    pool = _RecordingPool(["rollout", "train", "rollout", "rollout"])
-    runtime = ElasticRuntime(pool, ElasticPolicy(ElasticConfig(min_dwell_steps=0)), batch_size=32)
+    cluster = _RecordingCluster(["rollout", "train", "rollout", "rollout"])
+    runtime = ElasticRuntime(cluster, ElasticPolicy(ElasticConfig(min_dwell_steps=0)), batch_size=32)
     # 3 rollout slots make 4 samples/s each, 1 train slot trains 2/s: rollout waits on training;
     # T(3, 1) = 2/s, T(2, 2) = 4/s: a step 16 s -> 8 s, 80 s over 10 steps > 1.5 x the assumed 30 s
     interval = Interval(seconds=10.0, rollout_busy_s=10.0, generated=40, trainer_busy_s=10.0, trained=20)
     in_flight = {"ref-a": (0, ["g1"]), "ref-b": (0, ["g2"]), "ref-c": (2, ["g3"]), "ref-d": (1, ["g4"])}
     event, change = runtime.at_boundary(interval, step=6, version=6, in_flight=in_flight)
     # workers 1 and 2 (slots 2 and 3) have one group each: the last of them drains, with its group only
-    assert pool.moves == [(3, "train", {"ref-c": ["g3"]})], event["why"]
+    assert cluster.moves == [(3, "train", {"ref-c": ["g3"]})], event["why"]
     assert event["what"] == "to_train: slot 3: rollout -> train" and "gain" in event["why"]
     assert event["cost_s"] == pytest.approx(6.0) and event["drain_s"] == 0.25
     assert runtime.costs["to_train"] == change.cost and runtime.costs["to_rollout"] is None
@@ -137,20 +137,20 @@ def test_the_runtime_moves_the_least_busy_worker_and_remembers_the_measured_cost
 
 
 def test_a_move_takes_a_slot_that_can_change_role_and_names_one_that_cannot():
-    from reflow.runtime.pool import ResourcePool, Slot
+    from reflow.runtime.cluster import Cluster, Slot
 
-    pool = object.__new__(ResourcePool)  # pick_slot reads the slots only
-    pool.slots = [Slot(0, "rollout"), Slot(1, "rollout"), Slot(2, "train")]
-    assert pool.pick_slot("rollout", "train").index == 1  # a role: its last slot
-    assert pool.pick_slot(0, "train").index == 0
+    cluster = object.__new__(Cluster)  # pick_slot reads the slots only
+    cluster.slots = [Slot(0, "rollout"), Slot(1, "rollout"), Slot(2, "train")]
+    assert cluster.pick_slot("rollout", "train").index == 1  # a role: its last slot
+    assert cluster.pick_slot(0, "train").index == 0
     with pytest.raises(ValueError, match="last 'train' slot"):
-        pool.pick_slot("train", "rollout")
+        cluster.pick_slot("train", "rollout")
     with pytest.raises(ValueError, match="already has role"):
-        pool.pick_slot(2, "train")
+        cluster.pick_slot(2, "train")
     with pytest.raises(ValueError, match="no slot 7"):
-        pool.pick_slot(7, "train")
+        cluster.pick_slot(7, "train")
     with pytest.raises(ValueError, match="unknown role 'eval'"):
-        pool.pick_slot(0, "eval")
+        cluster.pick_slot(0, "eval")
 
 
 def test_placement_config_is_checked():
@@ -185,31 +185,31 @@ def _model_path(config) -> str:
     return str(resolve_model_path(config.model, **config.model_overrides))
 
 
-def _generate(pool, worker: int, seeds: list[int]) -> list:
+def _generate(cluster, worker: int, seeds: list[int]) -> list:
     import ray
 
-    return ray.get(pool.rollout[worker].generate.remote(seeds))
+    return ray.get(cluster.rollout[worker].generate.remote(seeds))
 
 
-def _stored(pool, group_ids: list[str]) -> dict[str, dict]:
+def _stored(cluster, group_ids: list[str]) -> dict[str, dict]:
     import ray
 
-    groups = ray.get([pool.replay.group.remote(g) for g in group_ids])
+    groups = ray.get([cluster.replay.group.remote(g) for g in group_ids])
     return {g.group_id: [e.to_dict() for e in g.episodes] for g in groups}
 
 
-def _sync(pool, version: int) -> list[int]:
+def _sync(cluster, version: int) -> list[int]:
     import ray
 
-    ref = pool.state_dict_ref()
-    return ray.get([w.update_weights.remote(ref, version) for w in pool.rollout])
+    ref = cluster.state_dict_ref()
+    return ray.get([w.update_weights.remote(ref, version) for w in cluster.rollout])
 
 
-def _full_state(pool) -> list:
+def _full_state(cluster) -> list:
     """Rank 0's (weights, rest of the state); every rank is called (a collective)."""
     import ray
 
-    refs = [t.full_state.options(num_returns=2).remote() for t in pool.trainers]
+    refs = [t.full_state.options(num_returns=2).remote() for t in cluster.trainers]
     return ray.get(list(refs[0]))
 
 
@@ -246,38 +246,38 @@ def _fresh_group_step(config, model_path, replay, state, group_ids, step):
 def test_role_changes_both_ways_keep_groups_versions_and_gradients(tmp_path, ray_env):
     import ray
 
-    from reflow.runtime.pool import ResourcePool
+    from reflow.runtime.cluster import Cluster
 
     ray.init(num_cpus=6, include_dashboard=False)
     config = load_config(None, [*BASE, f"out_dir={tmp_path}", "resources.slots=[rollout, rollout, train]"])
     model_path = _model_path(config)
-    pool = ResourcePool(config, model_path, tmp_path)
+    cluster = Cluster(config, model_path, tmp_path)
     try:
-        reports = _generate(pool, 0, [0, 1]) + _generate(pool, 1, [2, 3])
+        reports = _generate(cluster, 0, [0, 1]) + _generate(cluster, 1, [2, 3])
         acked = [r.group_id for r in reports]
-        before = _stored(pool, acked)
-        pool.train_step(acked[:2], 1)
-        assert _sync(pool, 1) == [1, 1]
-        engine_versions = pool.weight_versions()
+        before = _stored(cluster, acked)
+        cluster.train_step(acked[:2], 1)
+        assert _sync(cluster, 1) == [1, 1]
+        engine_versions = cluster.weight_versions()
 
         # rollout -> train while slot 1 has two groups in flight: they finish and are stored
         ids = [uuid.uuid4().hex, uuid.uuid4().hex]
         for g in ids:
-            ray.get(pool.replay.begin_group.remote(g, 1))
-        in_flight = {pool.rollout[1].generate.remote([10, 11], ids): ids}
-        pre_move = _full_state(pool)
-        change = pool.move(1, "train", in_flight)
-        assert change.roles == pool.roles() == ["rollout", "train", "train"]
+            ray.get(cluster.replay.begin_group.remote(g, 1))
+        in_flight = {cluster.rollout[1].generate.remote([10, 11], ids): ids}
+        pre_move = _full_state(cluster)
+        change = cluster.move(1, "train", in_flight)
+        assert change.roles == cluster.roles() == ["rollout", "train", "train"]
         assert (change.from_role, change.to_role, change.version) == ("rollout", "train", 1)
         assert sorted(r.group_id for r in change.drained) == sorted(ids) and not change.abandoned
-        assert _stored(pool, acked) == before  # the acknowledged groups are untouched
-        assert set(_stored(pool, ids)) == set(ids)  # the drained ones are stored
-        assert ray.get(pool.replay.in_flight.remote()) == 0
-        assert ray.get([t.version.remote() for t in pool.trainers]) == [1, 1]
+        assert _stored(cluster, acked) == before  # the acknowledged groups are untouched
+        assert set(_stored(cluster, ids)) == set(ids)  # the drained ones are stored
+        assert ray.get(cluster.replay.in_flight.remote()) == 0
+        assert ray.get([t.version.remote() for t in cluster.trainers]) == [1, 1]
         _assert_cost_parts(change)
 
         # the re-formed group holds the pre-move state and trains like a fresh group of its size
-        reformed = _full_state(pool)
+        reformed = _full_state(cluster)
         for key, value in pre_move[0].items():
             assert torch.equal(reformed[0][key], value), key
         assert reformed[1]["step"] == pre_move[1]["step"] == 1
@@ -286,10 +286,10 @@ def test_role_changes_both_ways_keep_groups_versions_and_gradients(tmp_path, ray
         for name, param_state in moments.items():
             for key, value in param_state.items():
                 assert torch.equal(reformed[1]["optimizer"]["state"][name][key], value), (name, key)
-        metrics = pool.train_step(acked[2:], 2)
-        weights = ray.get(pool.state_dict_ref())
+        metrics = cluster.train_step(acked[2:], 2)
+        weights = ray.get(cluster.state_dict_ref())
         fresh_metrics, fresh_weights = _fresh_group_step(
-            config, model_path, pool.replay, pre_move, acked[2:], 2
+            config, model_path, cluster.replay, pre_move, acked[2:], 2
         )
         for key in ("loss", "grad_norm", "trained_tokens", "rows"):
             assert metrics[key] == pytest.approx(fresh_metrics[key], abs=1e-6), key
@@ -300,27 +300,27 @@ def test_role_changes_both_ways_keep_groups_versions_and_gradients(tmp_path, ray
         assert moved  # the step changed the weights (with the carried Adam moments)
 
         # train -> rollout: the last train slot becomes a rollout worker on the current weights
-        back = pool.move("train", "rollout")
+        back = cluster.move("train", "rollout")
         assert back.roles == ["rollout", "train", "rollout"] and back.version == 2
-        assert ray.get(pool.trainers[0].version.remote()) == 2
+        assert ray.get(cluster.trainers[0].version.remote()) == 2
         _assert_cost_parts(back)
-        versions = pool.weight_versions()
+        versions = cluster.weight_versions()
         assert versions[1] == 2 and versions[0] >= engine_versions[0]
-        assert _sync(pool, 2) == [2, 2]
-        assert _stored(pool, acked) == before
-        new = _generate(pool, 1, [20])  # the new worker plays groups with v2 weights
+        assert _sync(cluster, 2) == [2, 2]
+        assert _stored(cluster, acked) == before
+        new = _generate(cluster, 1, [20])  # the new worker plays groups with v2 weights
         assert new[0].policy_version == 2
-        metrics = pool.train_step([new[0].group_id], 3)  # the group of one rank trains
-        assert metrics["rows"] == 4 and ray.get(pool.trainers[0].version.remote()) == 3
+        metrics = cluster.train_step([new[0].group_id], 3)  # the group of one rank trains
+        assert metrics["rows"] == 4 and ray.get(cluster.trainers[0].version.remote()) == 3
     finally:
-        pool.shutdown()
+        cluster.shutdown()
 
 
 @pytest.mark.slow
 def test_a_drain_past_its_timeout_returns_the_groups_it_abandons(tmp_path, ray_env):
     import ray
 
-    from reflow.runtime.pool import ResourcePool
+    from reflow.runtime.cluster import Cluster
 
     ray.init(num_cpus=4, include_dashboard=False)
     config = load_config(
@@ -333,21 +333,21 @@ def test_a_drain_past_its_timeout_returns_the_groups_it_abandons(tmp_path, ray_e
             "resources.slots=[rollout, rollout, train]",
         ],
     )
-    pool = ResourcePool(config, _model_path(config), tmp_path)
+    cluster = Cluster(config, _model_path(config), tmp_path)
     try:
         ids = [uuid.uuid4().hex for _ in range(2)]
         for g in ids:
-            ray.get(pool.replay.begin_group.remote(g, 0))
-        in_flight = {pool.rollout[1].generate.remote([i], [g]): [g] for i, g in enumerate(ids)}
-        change = pool.move(1, "train", in_flight, drain_timeout_s=1.0)
+            ray.get(cluster.replay.begin_group.remote(g, 0))
+        in_flight = {cluster.rollout[1].generate.remote([i], [g]): [g] for i, g in enumerate(ids)}
+        change = cluster.move(1, "train", in_flight, drain_timeout_s=1.0)
         assert sorted(change.abandoned) == sorted(ids) and not change.drained and not change.failed
         assert change.drain_s >= 1.0
-        assert ray.get(pool.replay.in_flight.remote()) == 0  # their admission slots are free again
-        assert ray.get(pool.replay.count.remote()) == 0  # nothing half-stored
-        assert pool.roles() == ["rollout", "train", "train"]
+        assert ray.get(cluster.replay.in_flight.remote()) == 0  # their admission slots are free again
+        assert ray.get(cluster.replay.count.remote()) == 0  # nothing half-stored
+        assert cluster.roles() == ["rollout", "train", "train"]
         _assert_cost_parts(change)
     finally:
-        pool.shutdown()
+        cluster.shutdown()
 
 
 def _node_of(actor) -> str:
@@ -369,14 +369,14 @@ def _engine_weights(worker) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_roles_on_different_nodes_sync_weights_and_change_roles(tmp_path, ray_env):
     import ray
-    from ray.cluster_utils import Cluster
+    from ray.cluster_utils import Cluster as RayNodes
 
-    from reflow.runtime.pool import ResourcePool
+    from reflow.runtime.cluster import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    node_a = cluster.add_node(num_cpus=2, resources={"rollout_node": 1}, object_store_memory=150 * 2**20)
-    node_b = cluster.add_node(num_cpus=1, resources={"train_node": 1}, object_store_memory=150 * 2**20)
-    ray.init(address=cluster.address)
+    nodes = RayNodes(initialize_head=True, head_node_args={"num_cpus": 0})
+    node_a = nodes.add_node(num_cpus=2, resources={"rollout_node": 1}, object_store_memory=150 * 2**20)
+    node_b = nodes.add_node(num_cpus=1, resources={"train_node": 1}, object_store_memory=150 * 2**20)
+    ray.init(address=nodes.address)
     config = load_config(
         None,
         [
@@ -387,31 +387,31 @@ def test_roles_on_different_nodes_sync_weights_and_change_roles(tmp_path, ray_en
             "train: {node_resource: train_node}}",
         ],
     )
-    pool = ResourcePool(config, _model_path(config), tmp_path)
+    cluster = Cluster(config, _model_path(config), tmp_path)
     try:
-        assert [_node_of(w) for w in pool.rollout] == [node_a.node_id] * 2
-        assert _node_of(pool.trainers[0]) == node_b.node_id
-        reports = _generate(pool, 0, [0, 1])
-        pool.train_step([r.group_id for r in reports], 1)
+        assert [_node_of(w) for w in cluster.rollout] == [node_a.node_id] * 2
+        assert _node_of(cluster.trainers[0]) == node_b.node_id
+        reports = _generate(cluster, 0, [0, 1])
+        cluster.train_step([r.group_id for r in reports], 1)
         # the weights travel from node B to the engines on node A through the object store
-        assert _sync(pool, 1) == [1, 1]
-        trained = ray.get(pool.state_dict_ref())
-        for worker in pool.rollout:
+        assert _sync(cluster, 1) == [1, 1]
+        trained = ray.get(cluster.state_dict_ref())
+        for worker in cluster.rollout:
             engine = _engine_weights(worker)
             assert all(torch.equal(engine[k], v) for k, v in trained.items())
         # a rollout slot on node A joins the trainer on node B: one FSDP2 group across the nodes
-        change = pool.move("rollout", "train")
-        assert [_node_of(t) for t in pool.trainers] == [node_a.node_id, node_b.node_id]
+        change = cluster.move("rollout", "train")
+        assert [_node_of(t) for t in cluster.trainers] == [node_a.node_id, node_b.node_id]
         _assert_cost_parts(change)
-        pool.train_step([r.group_id for r in reports], 2)
-        assert _sync(pool, 2) == [2]
-        trained = ray.get(pool.state_dict_ref())
-        engine = _engine_weights(pool.rollout[0])
+        cluster.train_step([r.group_id for r in reports], 2)
+        assert _sync(cluster, 2) == [2]
+        trained = ray.get(cluster.state_dict_ref())
+        engine = _engine_weights(cluster.rollout[0])
         assert all(torch.equal(engine[k], v) for k, v in trained.items())
     finally:
-        pool.shutdown()
-        ray.shutdown()
         cluster.shutdown()
+        ray.shutdown()
+        nodes.shutdown()
 
 
 def test_the_loop_gives_a_drain_a_timeout():

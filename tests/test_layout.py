@@ -309,15 +309,149 @@ def test_each_recipe_module_keeps_to_one_concern():
         )
 
 
-def test_builtin_envs_import_only_the_public_env_api():
+def test_builtin_envs_import_only_the_public_env_and_sandbox_apis():
+    # An env that runs model-written code asks `reflow.sandbox` for a runner; nothing else of reflow.
+    public = {"reflow.env", "reflow.env.answers", "reflow.sandbox"}
     for path in (ROOT / "envs").rglob("*.py"):
-        for line in path.read_text().splitlines():
-            if line.startswith(("import reflow", "from reflow")) and not line.startswith(
-                ("from reflow_", "import reflow_")
-            ):
-                assert line.startswith(("from reflow.env import", "from reflow.env.answers import")), (
-                    f"{path}: {line}"
-                )
+        for name in _imports(path):
+            top = name.split(".")[0]
+            assert top != "reflow_tools", f"{path.relative_to(ROOT)} imports {name}: it runs in the sandbox"
+            if top == "reflow":
+                assert name in public, f"{path.relative_to(ROOT)} imports {name}"
+
+
+def test_the_in_sandbox_tool_server_imports_only_the_standard_library():
+    """`tools/` runs in the sandbox's own Python, sent as the text of `python3 -c`: no reflow, no
+    third-party package, at the top of a file or inside a function."""
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    files = sorted((ROOT / "tools").rglob("*.py"))
+    assert {p.relative_to(ROOT).as_posix() for p in files} >= {
+        "tools/in_sandbox/server.py",
+        "tools/in_sandbox/procs.py",
+    }
+    for path in files:
+        tops = {n.split(".")[0] for n in _imports(path)}
+        assert tops <= stdlib | {"reflow_tools"}, f"{path.relative_to(ROOT)} imports {sorted(tops - stdlib)}"
+        assert not {n for n in _imports(path) if n.startswith("reflow_tools.") and "in_sandbox" not in n}
+    for path in [*(ROOT / "reflow").rglob("*.py"), *(ROOT / "envs").rglob("*.py")]:
+        assert not {n for n in _imports(path) if n.split(".")[0] == "reflow_tools"}, path.relative_to(ROOT)
+
+
+def _module_files() -> dict[str, Path]:
+    """Every module of the three installed packages, by its import name (a package by its __init__)."""
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    modules = {}
+    for name, folder in cfg["package-dir"].items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = [name, *path.relative_to(ROOT / folder).with_suffix("").parts]
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of the three packages it imports (every import statement, wherever it is;
+    `from package import submodule` is an edge to the submodule, other names an edge to the package)."""
+    modules = _module_files()
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            edges |= {t for t in targets if t in modules and t != module}
+        graph[module] = edges
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_circle_finder_finds_circles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a", "e"}, "e": {"d"}, "f": set()}
+    assert sorted(_circles(graph)) == [["a", "b", "c"], ["d", "e"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle_between_modules():
+    """No two modules of reflow, reflow_envs and reflow_tools import each other, directly or around a
+    loop, counting imports inside functions and for type checking only: a circle works only as long as
+    nobody reorders the imports, and it makes two modules one unit to read."""
+    graph = _import_graph()
+    assert {"reflow.sandbox.code_runner", "reflow_envs.pycode.env", "reflow_tools.in_sandbox.server"} <= set(
+        graph
+    )
+    assert "reflow.sandbox.session" in graph["reflow.sandbox.code_runner"]
+    circles = _circles(graph)
+    assert not circles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in circles)
+
+
+def test_one_meaning_per_name():
+    """A reader who meets a name twice meets one concept: no module beside its own plural or beside a
+    near-twin (`checkpoint`/`checkpoints`), and "pool" only for a set of reusable objects handed out
+    and taken back (sandboxes, env instances); the run's device slots are its `Cluster`."""
+    modules = _module_files()
+    stems: dict[str, set[str]] = {}
+    for module in modules:
+        package, _, stem = module.rpartition(".")
+        stems.setdefault(package, set()).add(stem)
+    for package, names in stems.items():
+        twins = sorted(n for n in names if f"{n}s" in names)
+        assert not twins, f"{package}: {twins} beside their plurals"
+    pool_homes = ("reflow.sandbox", "reflow.server")
+    for module, path in modules.items():
+        if module.startswith(pool_homes):
+            continue
+        assert "pool" not in module.rpartition(".")[2], f"{module}: a pool outside {pool_homes}"
+        pools = [c.name for c in _classes(path) if c.name.endswith("Pool")]
+        assert not pools, f"{module}: {pools}"
 
 
 @pytest.mark.slow
@@ -342,7 +476,7 @@ def test_wheel_installs_only_reflow_top_level_names(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert top == {"reflow", "reflow_envs", "reflow_tools"}
-    assert "reflow_envs/calc/env.py" in names and "reflow_tools/python_exec.py" in names
+    assert "reflow_envs/calc/env.py" in names and "reflow_tools/in_sandbox/server.py" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "[reflow.envs]" in text and "calc = reflow_envs.calc:register_envs" in text

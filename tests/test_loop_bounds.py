@@ -216,10 +216,12 @@ def test_a_step_with_no_sampled_token_keeps_the_version_and_pushes_nothing(tmp_p
         plan = PlannedBatch(["a", "b"], [0, 1], {"batch_fresh": 2})
         step = decoupled.StepInFlight([ray.put(metrics)], plan, 0.0, 0.0)
         share = ReplayShare(decoupled.cycle_config(config))
-        pool = type("Pool", (), {"rollout": [None]})()
+        cluster = type("Cluster", (), {"rollout": [None]})()
         weights = Pushes()
         report = GroupReport("a", 3, [0.0, 1.0], [False, True], ["ok", "ok"], [1, 1], 12, True, 1.0)
-        decoupled._finish_step(pool, config, log, state, Clock(state), step, [report], share, weights, dict)
+        decoupled._finish_step(
+            cluster, config, log, state, Clock(state), step, [report], share, weights, dict
+        )
         log.close()
     finally:
         ray.shutdown()
@@ -242,10 +244,10 @@ def test_after_a_step_the_evaluation_point_comes_first_and_the_checkpoint_holds_
 
     done = []
     monkeypatch.setattr(
-        checkpoints, "evaluate", lambda pool, config, log, state, clock: done.append(state.step)
+        checkpoints, "evaluate", lambda cluster, config, log, state, clock: done.append(state.step)
     )
     monkeypatch.setattr(
-        checkpoints, "checkpoint", lambda pool, config, state: done.append(dict(state.scheduler))
+        checkpoints, "checkpoint", lambda cluster, config, state: done.append(dict(state.scheduler))
     )
     overrides = ["eval.every=2", "train.checkpoint_every=4", "train.steps=5"]
     config = load_config(None, ["env.id=reflow/Calc-v0", *overrides])

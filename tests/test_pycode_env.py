@@ -14,10 +14,10 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 from reflow_envs.pycode.env import PyCodeEnv, build_task, extract_code, grade
 from reflow_envs.pycode.problems import FAMILIES
-from reflow_tools.python_exec import run_python
 
 import reflow
 from reflow.env import parse_assistant, play_episode, scripted_policy
+from reflow.sandbox.host_subprocess import run_python
 
 
 def _dead(pid: int) -> bool:

@@ -203,7 +203,7 @@ def test_warmstart_cache_key_follows_the_env_curriculum(monkeypatch):
     from reflow_envs.calc.env import CalcEnv
 
     from reflow.config import RunConfig
-    from reflow.recipes.warm_phase import warmstart_key
+    from reflow.recipes.initial_model import warmstart_key
 
     default = RunConfig(env={"id": "reflow/Calc-v0"})
     explicit = RunConfig(env={"id": "reflow/Calc-v0"}, warmstart={"demo_env_kwargs": {"max_steps": 2}})
@@ -216,8 +216,8 @@ def test_warmstart_cache_key_follows_the_env_curriculum(monkeypatch):
 @pytest.mark.slow
 def test_a_warm_start_cut_short_by_its_time_cap_is_not_reused(small_model, tmp_path, monkeypatch):
     from reflow.config import RunConfig
+    from reflow.recipes.initial_model import run_warmstart
     from reflow.recipes.run_log import RunLog
-    from reflow.recipes.warm_phase import run_warmstart
 
     monkeypatch.setenv("REFLOW_CACHE_DIR", str(tmp_path / "cache"))
 

@@ -169,7 +169,7 @@ def test_reflow_run_moves_a_slot_both_ways_and_loses_no_group(tmp_path, monkeypa
     assert [m["step"] for m in moves] == [2, 4]
     assert moves[0]["slot"] == 2 and moves[0]["roles"] == ["rollout", "train", "rollout"]
     # the drained worker is the one with fewer calls in flight at that boundary (timing decides
-    # which of the two): it was a rollout slot, and the pool is back to one rollout, two train
+    # which of the two): it was a rollout slot, and the cluster is back to one rollout, two train
     assert moves[1]["slot"] in (0, 2) and moves[1]["roles"][moves[1]["slot"]] == "train"
     assert moves[1]["roles"].count("train") == 2 and moves[1]["roles"][1] == "train"
     assert all(m["cost_s"] > 0 and m["abandoned_groups"] == 0 for m in moves)

@@ -233,7 +233,7 @@ def test_a_resume_takes_the_saved_slot_layout_only_where_the_elastic_pool_may_ho
 
     from reflow.config import load_config
     from reflow.recipes.checkpoints import resumed_config
-    from reflow.train.checkpoint import STATE_FILE
+    from reflow.train.trainer_state import STATE_FILE
 
     slots = ["rollout", "rollout", "train"]
     config = load_config(

@@ -38,37 +38,37 @@ def test_a_resumed_run_moves_a_slot_and_pushes_weights_after_its_checkpoint_is_r
     from rich.console import Console
 
     from reflow.models.presets import resolve_model_path
+    from reflow.recipes.initial_model import prepare_model
     from reflow.recipes.run_log import RunLog
-    from reflow.recipes.warm_phase import prepare_model
-    from reflow.runtime.pool import ResourcePool
+    from reflow.runtime.cluster import Cluster
 
     ray.init(num_cpus=6, include_dashboard=False)
     config = load_config(None, [*BASE, f"out_dir={tmp_path}"])
     run_dir, root = tmp_path / "run", str(tmp_path / "run" / "checkpoints")
-    pool = ResourcePool(config, str(resolve_model_path(config.model, **config.model_overrides)), run_dir)
+    cluster = Cluster(config, str(resolve_model_path(config.model, **config.model_overrides)), run_dir)
     try:
-        pool.save_checkpoint(root, {}, keep=1)  # step 0: the checkpoint the run resumes from
+        cluster.save_checkpoint(root, {}, keep=1)  # step 0: the checkpoint the run resumes from
     finally:
-        pool.shutdown()
+        cluster.shutdown()
     log = RunLog(run_dir, Console(quiet=True))
     model_path, _, ckpt = prepare_model(config, run_dir, log, resume=True)
     log.close()
     assert ckpt is not None and ckpt.name == "step-000000"
-    pool = ResourcePool(config, model_path, run_dir)
+    cluster = Cluster(config, model_path, run_dir)
     try:
-        pool.load_checkpoint(str(ckpt))
-        (report,) = ray.get(pool.rollout[0].generate.remote([0]))
-        pool.train_step([report.group_id], 1)
-        pool.save_checkpoint(root, {}, keep=1)  # rotation removes the checkpoint resumed from
+        cluster.load_checkpoint(str(ckpt))
+        (report,) = ray.get(cluster.rollout[0].generate.remote([0]))
+        cluster.train_step([report.group_id], 1)
+        cluster.save_checkpoint(root, {}, keep=1)  # rotation removes the checkpoint resumed from
         assert not ckpt.exists()
-        change = pool.move("train", "rollout")  # a new rollout worker starts from the model path
+        change = cluster.move("train", "rollout")  # a new rollout worker starts from the model path
         assert change.roles == ["rollout", "train", "rollout"]
-        ref = pool.state_dict_ref()
-        assert ray.get([w.update_weights.remote(ref, 1) for w in pool.rollout]) == [1, 1]
-        (played,) = ray.get(pool.rollout[1].generate.remote([1]))
+        ref = cluster.state_dict_ref()
+        assert ray.get([w.update_weights.remote(ref, 1) for w in cluster.rollout]) == [1, 1]
+        (played,) = ray.get(cluster.rollout[1].generate.remote([1]))
         assert played.policy_version == 1
     finally:
-        pool.shutdown()
+        cluster.shutdown()
 
 
 def test_a_resume_restores_the_scheduler(tmp_path, ray_env):
@@ -80,7 +80,7 @@ def test_a_resume_restores_the_scheduler(tmp_path, ray_env):
     from rich.console import Console
 
     from reflow.recipes.agent_train import train
-    from reflow.train.checkpoint import STATE_FILE, latest_checkpoint
+    from reflow.train.trainer_state import STATE_FILE, latest_checkpoint
 
     overrides = [
         *BASE,
@@ -134,7 +134,7 @@ def test_a_run_ended_by_its_budget_checkpoints_the_scheduler_it_ended_with(tmp_p
 
     from reflow.recipes.agent_train import train
     from reflow.recipes.run_log import read_metrics
-    from reflow.train.checkpoint import STATE_FILE, latest_checkpoint
+    from reflow.train.trainer_state import STATE_FILE, latest_checkpoint
 
     overrides = [
         *BASE,

@@ -29,11 +29,11 @@ def test_a_slot_reserves_the_configured_share_of_a_gpu():
     from types import SimpleNamespace
 
     from reflow.config import load_config
-    from reflow.runtime.pool import ResourcePool
+    from reflow.runtime.cluster import Cluster
 
     def reserved(*overrides):
         config = load_config(None, ["env.id=reflow/Calc-v0", *overrides])
-        return ResourcePool.slot_resources(SimpleNamespace(config=config))
+        return Cluster.slot_resources(SimpleNamespace(config=config))
 
     assert reserved() == {"num_cpus": 1}
     assert reserved("resources.device=cuda") == {"num_cpus": 1, "num_gpus": 1.0}

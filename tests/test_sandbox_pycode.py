@@ -6,10 +6,10 @@ import random
 
 import pytest
 from reflow_envs.pycode.env import PyCodeEnv, build_task, grade
-from reflow_tools.code_runner import RunnerError, SubprocessRunner, code_runner
 
 import reflow
 from reflow.env import InfraError, format_hermes_call, parse_assistant, play_episode, scripted_policy
+from reflow.sandbox.code_runner import RunnerError, SubprocessRunner, code_runner
 
 KINDS = [
     pytest.param("docker", marks=pytest.mark.docker, id="docker"),

@@ -374,10 +374,10 @@ def test_agent_train_prints_the_warning_before_the_run_starts(tmp_path, monkeypa
     started = []
     fake_train = types.ModuleType("reflow.recipes.agent_train")
     fake_train.train = lambda config, **kwargs: started.append(config.env.id)
-    fake_pool = types.ModuleType("reflow.runtime.pool")
-    fake_pool.start_ray = lambda config: None
+    fake_cluster = types.ModuleType("reflow.runtime.cluster")
+    fake_cluster.start_ray = lambda config: None
     monkeypatch.setitem(sys.modules, "reflow.recipes.agent_train", fake_train)
-    monkeypatch.setitem(sys.modules, "reflow.runtime.pool", fake_pool)
+    monkeypatch.setitem(sys.modules, "reflow.runtime.cluster", fake_cluster)
     monkeypatch.setenv("REFLOW_SANDBOX", "subprocess")
     assert cli.main(["agent-train", "env.id=reflow/PyCode-v0", f"out_dir={tmp_path}"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if "unsandboxed" in line]

@@ -22,7 +22,7 @@ TESTS = Path(__file__).parent
 
 
 class Slots:
-    """A pool stand-in: rollout slots 0 and 2 (slot 1 trains)."""
+    """A cluster stand-in: rollout slots 0 and 2 (slot 1 trains)."""
 
     def __init__(self) -> None:
         self.rollout_slots = [SimpleNamespace(index=0), SimpleNamespace(index=2)]

@@ -10,9 +10,9 @@ from engine_helpers import small_qwen3
 from reflow.records import EpisodeRecord, Segment
 from reflow.replay import StoredGroup
 from reflow.train.batch import rows_from_groups, shard_groups, trained_before
-from reflow.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from reflow.train.losses import LossConfig
 from reflow.train.trainer import PolicyTrainer, TrainerConfig, TrainRow
+from reflow.train.trainer_state import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 
 
 def _model(seed: int = 0):

@@ -133,12 +133,12 @@ def test_an_engine_leaving_or_joining_keeps_every_other_engines_versions_in_plac
 
 
 @pytest.fixture
-def ray_pool(tmp_path, monkeypatch):
+def ray_cluster(tmp_path, monkeypatch):
     import ray
 
     from reflow.config import load_config
     from reflow.models import build_tiny
-    from reflow.runtime.pool import ResourcePool
+    from reflow.runtime.cluster import Cluster
     from reflow.runtime.workers import RolloutWorker, TrainerRank
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
@@ -153,32 +153,32 @@ def ray_pool(tmp_path, monkeypatch):
         trainer = ray.remote(TrainerRank).remote(config, model_dir, None)
         ray.get(trainer.setup.remote())
 
-        class Pool:  # what WeightPusher needs of a ResourcePool
-            state_dict_ref = ResourcePool.state_dict_ref
+        class FakeCluster:  # what WeightPusher needs of a Cluster
+            state_dict_ref = Cluster.state_dict_ref
 
-        pool = Pool()
-        pool.rollout, pool.trainers = rollout, [trainer]
-        yield pool
+        cluster = FakeCluster()
+        cluster.rollout, cluster.trainers = rollout, [trainer]
+        yield cluster
     finally:
         ray.shutdown()
 
 
 @pytest.mark.slow
-def test_pushes_through_ray_are_confirmed_in_order_and_a_failed_one_names_its_worker(ray_pool):
+def test_pushes_through_ray_are_confirmed_in_order_and_a_failed_one_names_its_worker(ray_cluster):
     import ray
 
     from reflow.recipes.weight_sync import WeightPusher
 
-    pusher = WeightPusher(ray_pool, version=0)
+    pusher = WeightPusher(ray_cluster, version=0)
     for version in (1, 2, 3):  # published faster than the loop collects the pushes
         pusher.publish(version)
     assert len(pusher.refs) == 2 and pusher.versions.pushing == [1, 1]  # one push per worker in flight
     assert pusher.confirmed == 0  # admission counts from what the engines confirmed, not from 3
     pusher.wait_all()
     assert pusher.confirmed == 3 and pusher.versions.confirmed == [3, 3]
-    assert ray.get([w.weight_version.remote() for w in ray_pool.rollout]) == [3, 3]
+    assert ray.get([w.weight_version.remote() for w in ray_cluster.rollout]) == [3, 3]
 
-    ray.get(ray_pool.rollout[1].close.remote())  # worker 1's engine is gone: its next push fails
+    ray.get(ray_cluster.rollout[1].close.remote())  # worker 1's engine is gone: its next push fails
     pusher.publish(4)
     with pytest.raises(RuntimeError, match="version 4 to rollout worker 1 failed"):
         pusher.wait_all()

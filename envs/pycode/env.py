@@ -7,10 +7,10 @@ it, as canonical JSON, so a solution cannot pass by printing or by a custom `__e
 Reward: 1 if every test passes, else 0 (the passed fraction is reported as a component).
 
 Where code runs is chosen per env with `sandbox=`: "docker" (a container from a warm pool, reset
-between episodes), "process" (bubblewrap namespaces, weaker), "subprocess" (`reflow_tools.python_exec`:
+between episodes), "process" (bubblewrap namespaces, weaker), "subprocess" (`reflow.sandbox.host_subprocess`:
 a host subprocess with rlimits, not a sandbox), or "auto", the default: the strongest that works here.
-The env reaches the sandboxes through `reflow_tools.code_runner` (it imports only `reflow.env` and
-`reflow_tools`); a runner object can also be passed in. The agent's runs and the hidden tests of an
+The env reaches the sandboxes through `reflow.sandbox.code_runner` (it imports only the public API of
+`reflow.env` and `reflow.sandbox`); a runner object can also be passed in. The agent's runs and the hidden tests of an
 episode share one sandbox, which goes back to the pool when the answer is graded or the env resets.
 """
 
@@ -25,9 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from reflow_envs.pycode.problems import FAMILIES
-from reflow_tools import python_exec
-from reflow_tools.code_runner import CodeRunner, RunnerError, SubprocessRunner, code_runner
-from reflow_tools.run_output import describe_run
 
 from reflow.env import (
     AssistantTurn,
@@ -41,6 +38,7 @@ from reflow.env import (
     ToolResult,
     format_hermes_call,
 )
+from reflow.sandbox import CodeRunner, ExecResult, RunnerError, SubprocessRunner, code_runner, describe_run
 
 SYSTEM_PROMPT = (
     "You write Python functions that must pass hidden tests. You can run any Python program with the "
@@ -151,7 +149,7 @@ async def grade(
     return Grade(passed, len(tests), result.timed_out, error)
 
 
-def format_exec(result: python_exec.ExecResult, timeout_s: float) -> str:
+def format_exec(result: ExecResult, timeout_s: float) -> str:
     """What the model sees of a run: how it ended, then stdout and stderr."""
     return describe_run(
         exit_code=result.exit_code,

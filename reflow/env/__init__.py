@@ -15,8 +15,6 @@ from reflow.env.core import (
     ResetNeeded,
     StepResult,
     Task,
-    ToolCall,
-    ToolResult,
     Wrapper,
     task_hash,
 )
@@ -25,7 +23,7 @@ from reflow.env.play import EpisodeResult, play_episode, scripted_policy
 from reflow.env.registration import discover, env_ids, make, register
 from reflow.env.tasks import load_tasks, write_tasks
 from reflow.env.tool_env import ToolEnv
-from reflow.env.tools import SchemaTool, Tool, ToolError
+from reflow.env.tools import SchemaTool, Tool, ToolCall, ToolError, ToolResult
 
 __all__ = [
     "EPISODE_STATUSES",

@@ -12,12 +12,10 @@ import hashlib
 import json
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from reflow.env.tasks import Task, load_tasks
-
-if TYPE_CHECKING:
-    from reflow.env.tools import Tool
+from reflow.env.tools import Tool, ToolCall
 
 Message = dict[str, Any]
 """One chat message in OpenAI form: {"role": ..., "content": ..., optional "tool_calls"/"tool_call_id"/"name"}."""
@@ -25,25 +23,6 @@ Message = dict[str, Any]
 
 EpisodeStatus = Literal["ok", "truncated", "timeout", "env_error", "infra_error"]
 EPISODE_STATUSES: tuple[str, ...] = ("ok", "truncated", "timeout", "env_error", "infra_error")
-
-
-@dataclass
-class ToolCall:
-    """One tool call parsed from the model's text. `parse_error` is set when the call is unusable."""
-
-    name: str | None
-    arguments: dict[str, Any]
-    raw: str
-    id: str = "call_0"
-    parse_error: str | None = None
-
-    def to_message_call(self) -> dict[str, Any]:
-        """The OpenAI `tool_calls` entry for this call (arguments as a JSON string)."""
-        return {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name or "", "arguments": json.dumps(self.arguments)},
-        }
 
 
 @dataclass
@@ -64,23 +43,6 @@ class AssistantTurn:
         if self.tool_calls:
             msg["tool_calls"] = [call.to_message_call() for call in self.tool_calls]
         return msg
-
-
-@dataclass
-class ToolResult:
-    """The outcome of one tool call, as recorded in the trajectory.
-
-    `ok` is False when the call could not run as asked (malformed, bad arguments, a ToolError); a
-    program that ran and exited non-zero is still ok, with its `exit_code`.
-    """
-
-    call_id: str
-    name: str | None
-    content: str
-    ok: bool = True
-    exit_code: int | None = None
-    latency_s: float = 0.0
-    truncated: bool = False
 
 
 @dataclass

@@ -13,7 +13,8 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from reflow.env.core import AssistantTurn, ToolCall
+from reflow.env.core import AssistantTurn
+from reflow.env.tools import ToolCall
 
 if TYPE_CHECKING:
     from reflow.env.tools import Tool

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from reflow.env.core import AssistantTurn, Env, Message, StepResult, ToolResult
-from reflow.env.tools import validate_calls
+from reflow.env.core import AssistantTurn, Env, Message, StepResult
+from reflow.env.tools import ToolResult, validate_calls
 
 
 def tool_message(result: ToolResult) -> Message:

@@ -1,5 +1,6 @@
 """Tools: plain Python functions turned into OpenAI function schemas, with validated arguments.
 
+`ToolCall` (a call parsed from the model's text) and `ToolResult` (its outcome) are the records;
 `Tool.from_function(fn)` reads the signature (type hints, defaults) and the Google-style docstring
 ("Args:" section) and builds both the JSON schema the model sees and a pydantic model that checks the
 arguments the model sends. A tool signals a mistake of the agent (bad input, a failing program) by
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 import re
 import time
 from collections.abc import Callable
@@ -18,7 +20,41 @@ from typing import Any
 
 import pydantic
 
-from reflow.env.core import ToolCall, ToolResult
+
+@dataclass
+class ToolCall:
+    """One tool call parsed from the model's text. `parse_error` is set when the call is unusable."""
+
+    name: str | None
+    arguments: dict[str, Any]
+    raw: str
+    id: str = "call_0"
+    parse_error: str | None = None
+
+    def to_message_call(self) -> dict[str, Any]:
+        """The OpenAI `tool_calls` entry for this call (arguments as a JSON string)."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name or "", "arguments": json.dumps(self.arguments)},
+        }
+
+
+@dataclass
+class ToolResult:
+    """The outcome of one tool call, as recorded in the trajectory.
+
+    `ok` is False when the call could not run as asked (malformed, bad arguments, a ToolError); a
+    program that ran and exited non-zero is still ok, with its `exit_code`.
+    """
+
+    call_id: str
+    name: str | None
+    content: str
+    ok: bool = True
+    exit_code: int | None = None
+    latency_s: float = 0.0
+    truncated: bool = False
 
 
 class ToolError(Exception):

@@ -45,7 +45,7 @@ class Worker:
             dataset = self.env.get_eval_dataset()
         self.rows = [dict(row) for row in dataset]
         self.replies: dict[str, asyncio.Future[dict[str, Any]]] = {}
-        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.running: dict[str, asyncio.Task[None]] = {}
 
     def client(self, rid: str) -> Any:
         import httpx
@@ -89,7 +89,7 @@ class Worker:
             return
         finally:
             self.replies.pop(rid, None)
-            self.tasks.pop(rid, None)
+            self.running.pop(rid, None)
         send(
             {
                 "op": "done",
@@ -106,13 +106,13 @@ class Worker:
     def handle(self, message: dict[str, Any]) -> None:
         op, rid = message.get("op"), message.get("rid", "")
         if op == "start":
-            self.tasks[rid] = asyncio.ensure_future(self.rollout(rid, int(message.get("seed") or 0)))
+            self.running[rid] = asyncio.ensure_future(self.rollout(rid, int(message.get("seed") or 0)))
         elif op == "reply":
             reply = self.replies.pop(rid, None)
             if reply is not None and not reply.done():
                 reply.set_result(message)
         elif op == "abort":
-            task = self.tasks.pop(rid, None)
+            task = self.running.pop(rid, None)
             if task is not None:
                 task.cancel()
 
@@ -159,7 +159,7 @@ async def main(spec: dict[str, Any]) -> None:
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     while line := await reader.readline():
         worker.handle(json.loads(line))
-    for task in list(worker.tasks.values()):
+    for task in list(worker.running.values()):
         task.cancel()
 
 

@@ -28,6 +28,7 @@ from reflow.recipes.checkpoints import (
     start_lineage,
 )
 from reflow.recipes.evaluation import evaluate, evaluate_snapshots, measure_headroom
+from reflow.recipes.initial_model import prepare_model
 from reflow.recipes.run_log import RunLog, plot_run, run_summary, step_record, summary_table
 from reflow.recipes.run_state import (
     Clock,
@@ -39,9 +40,8 @@ from reflow.recipes.run_state import (
     steps_left,
     took_step,
 )
-from reflow.recipes.warm_phase import prepare_model
 from reflow.recipes.weight_sync import sync_weights
-from reflow.runtime.pool import ResourcePool, start_ray
+from reflow.runtime.cluster import Cluster, start_ray
 from reflow.runtime.workers import GroupReport
 
 
@@ -55,41 +55,41 @@ def train(config: RunConfig, *, resume: bool = False, console: Console | None = 
     model_path, state, ckpt = prepare_model(config, run_dir, log, resume=resume)
     if ckpt is not None:  # the slot layout the elastic pool had reached
         config = resumed_config(config, ckpt)
-    pool = ResourcePool(config, model_path, run_dir)
+    cluster = Cluster(config, model_path, run_dir)
     try:
         if ckpt is not None:
-            extra = pool.load_checkpoint(str(ckpt))
+            extra = cluster.load_checkpoint(str(ckpt))
             state = RunState(**extra["run_state"])
             console.print(f"resumed from {ckpt} at step {state.step} (weights v{state.version})")
         if resume:  # also with no checkpoint yet: the run starts over, and so does consumption
-            undone = rewind_replay(pool, state)
+            undone = rewind_replay(cluster, state)
             console.print(f"replay: {undone} consumptions by steps after {state.step} undone")
-        start_lineage(pool, state, resumed_from=ckpt is not None if resume else None)
+        start_lineage(cluster, state, resumed_from=ckpt is not None if resume else None)
         if state.groups_quarantined:
             console.print(f"replay: {state.groups_quarantined} groups made by lost weights quarantined")
-        ray.get(pool.replay.clear_in_flight.remote())  # groups in flight at a crash never arrived
+        ray.get(cluster.replay.clear_in_flight.remote())  # groups in flight at a crash never arrived
         clock = Clock(state)
-        sync_weights(pool, state.version)
+        sync_weights(cluster, state.version)
         if not resume:
-            evaluate(pool, config, log, state, clock)
-            measure_headroom(pool, config, log, state, "start")
+            evaluate(cluster, config, log, state, clock)
+            measure_headroom(cluster, config, log, state, "start")
         if config.mode == "sync":
-            sync_loop(pool, config, log, state, clock, leftover_groups(pool, state) if resume else [])
+            sync_loop(cluster, config, log, state, clock, leftover_groups(cluster, state) if resume else [])
         else:
             from reflow.recipes.decoupled import decoupled_loop
 
-            decoupled_loop(pool, config, log, state, clock)
+            decoupled_loop(cluster, config, log, state, clock)
         clock.tick()
         points = state.history + state.snapshots
         if not points or points[-1]["step"] != state.step:  # always end on an evaluation
-            evaluate(pool, config, log, state, clock)
-        measure_headroom(pool, config, log, state, "final")
-        state.count_rollout_slots(len(pool.rollout), state.wall_s)  # for the summary's idle ratio
-        checkpoint(pool, config, state)
-        evaluate_snapshots(pool, config, log, state)
-        reuse = ray.get(pool.replay.reuse_histogram.remote())
+            evaluate(cluster, config, log, state, clock)
+        measure_headroom(cluster, config, log, state, "final")
+        state.count_rollout_slots(len(cluster.rollout), state.wall_s)  # for the summary's idle ratio
+        checkpoint(cluster, config, state)
+        evaluate_snapshots(cluster, config, log, state)
+        reuse = ray.get(cluster.replay.reuse_histogram.remote())
     finally:
-        pool.shutdown()
+        cluster.shutdown()
         log.close()
     summary = run_summary(config, state, reuse)
     log.write("summary", summary)
@@ -99,7 +99,7 @@ def train(config: RunConfig, *, resume: bool = False, console: Console | None = 
 
 
 def sync_loop(
-    pool: ResourcePool,
+    cluster: Cluster,
     config: RunConfig,
     log: RunLog,
     state: RunState,
@@ -116,14 +116,14 @@ def sync_loop(
         if out_of_time(config.train.seconds, clock.now(), state.wall_s / rounds if rounds else 0.0):
             break
         t0 = time.monotonic()
-        groups, reports = collect_groups(pool, config, state, pending)
+        groups, reports = collect_groups(cluster, config, state, pending)
         t1 = time.monotonic()
-        state.rollout_busy_s += (t1 - t0) * len(pool.rollout)
+        state.rollout_busy_s += (t1 - t0) * len(cluster.rollout)
         # the zero-spread groups passed over are retired (as in the other modes), trained or not
         retired = [r.group_id for r in reports if not r.has_spread]
         if not groups:
             state.steps_no_signal += 1
-            ray.get(pool.replay.mark_consumed.remote(retired, state.step + 1))
+            ray.get(cluster.replay.mark_consumed.remote(retired, state.step + 1))
             state.generated_tokens += sum(r.generated_tokens for r in reports)
             clock.tick()
             log.write(
@@ -138,28 +138,28 @@ def sync_loop(
             log.console.print(f"no group with reward spread in {len(reports)}: step not taken")
             continue
         ids = [g.group_id for g in groups]
-        metrics = pool.train_step(ids, state.step + 1)
+        metrics = cluster.train_step(ids, state.step + 1)
         t2 = time.monotonic()
         state.trainer_busy_s += t2 - t1
         if not took_step(state, metrics):  # no sampled token: nothing trained, weights and version stay
             state.generated_tokens += sum(r.generated_tokens for r in reports)
-            ray.get(pool.replay.mark_consumed.remote([*ids, *retired], state.step + 1))
+            ray.get(cluster.replay.mark_consumed.remote([*ids, *retired], state.step + 1))
             clock.tick()
             log.write("no_signal", {"step": state.step, "groups": len(ids), "sampled_tokens": 0})
             continue
-        sync_weights(pool, state.version)
-        ray.get(pool.replay.mark_consumed.remote([*ids, *retired], state.step))
+        sync_weights(cluster, state.version)
+        ray.get(cluster.replay.mark_consumed.remote([*ids, *retired], state.step))
         t3 = time.monotonic()
         clock.tick()
         times = {"rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2}
         log.step(
-            step_record(state, len(pool.rollout), reports, len(groups), metrics, [0] * len(groups), times)
+            step_record(state, len(cluster.rollout), reports, len(groups), metrics, [0] * len(groups), times)
         )
-        after_step(pool, config, log, state, clock)
+        after_step(cluster, config, log, state, clock)
 
 
 def collect_groups(
-    pool: ResourcePool, config: RunConfig, state: RunState, pending: list[GroupReport]
+    cluster: Cluster, config: RunConfig, state: RunState, pending: list[GroupReport]
 ) -> tuple[list[GroupReport], list[GroupReport]]:
     """Groups with reward spread for one step, generated with the current weights. Zero-spread groups
     carry no gradient: generate more (DAPO dynamic sampling) for up to `max_resample_rounds` rounds.
@@ -170,8 +170,8 @@ def collect_groups(
     pending.clear()
     for _ in range(1 + config.rollout.max_resample_rounds):
         seeds = next_seeds(state, spread_round_size(want, want - len(usable), reports), config)
-        new = pool.generate(seeds)  # dealt round-robin over the rollout workers
-        observe_tasks(config, state, seeds, new, len(pool.rollout))
+        new = cluster.generate(seeds)  # dealt round-robin over the rollout workers
+        observe_tasks(config, state, seeds, new, len(cluster.rollout))
         reports += new
         usable += [r for r in new if r.has_spread]
         if len(usable) >= want:

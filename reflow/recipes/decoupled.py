@@ -40,8 +40,8 @@ from reflow.recipes.checkpoints import after_step
 from reflow.recipes.run_log import RunLog, step_record
 from reflow.recipes.run_state import Clock, RunState, next_seeds, out_of_time, steps_left, took_step
 from reflow.recipes.weight_sync import WeightPusher
+from reflow.runtime.cluster import Cluster
 from reflow.runtime.elastic import ElasticDriver, moved_positions
-from reflow.runtime.pool import ResourcePool
 from reflow.runtime.replay_service import PlannedBatch, cycle_config
 from reflow.runtime.tail import GroupInFlight, TailGate, TailRuntime
 from reflow.runtime.workers import GroupReport
@@ -130,25 +130,27 @@ class StepInFlight:
         return int(self.plan.metrics["batch_fresh"])
 
 
-def decoupled_loop(pool: ResourcePool, config: RunConfig, log: RunLog, state: RunState, clock: Clock) -> None:
+def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunState, clock: Clock) -> None:
     B, budget = config.rollout.groups_per_step, config.train.seconds
     admission = AdmissionControl(config.replay.eta, B)
     share = ReplayShare(cycle_config(config)) if config.mode == "reflow" else None
     per_worker = max(1, config.rollout.max_batch_size // config.rollout.group_size)
-    weights = WeightPusher(pool, state.version)
+    weights = WeightPusher(cluster, state.version)
     rollouts: dict[Any, GroupInFlight] = {}  # object ref of a group in flight -> its worker, since when
-    workers = BusyClock(len(pool.rollout))
-    elastic = ElasticDriver(pool, config, state, clock.now()) if config.elastic.active(config.mode) else None
+    workers = BusyClock(len(cluster.rollout))
+    elastic = (
+        ElasticDriver(cluster, config, state, clock.now()) if config.elastic.active(config.mode) else None
+    )
     tail = TailGate(
-        _tail_policy(config), B, per_worker, config.rollout.group_size, _tail_runtime(pool, config)
+        _tail_policy(config), B, per_worker, config.rollout.group_size, _tail_runtime(cluster, config)
     )
     busy_before = state.rollout_busy_s
-    uses = ray.get(pool.replay.reuse_histogram.remote(spread=True))  # groups with spread, by uses
+    uses = ray.get(cluster.replay.reuse_histogram.remote(spread=True))  # groups with spread, by uses
     got = Arrivals(accepted=sum(uses.values()))
     _log_events(log, state, "tail", _restore(state.scheduler, share, elastic, tail, got))
 
     def saved() -> dict[str, Any]:  # what a checkpoint keeps of the adaptive parts
-        return _scheduler_state(pool, share, elastic, tail, got)
+        return _scheduler_state(cluster, share, elastic, tail, got)
 
     trained = {state.version: got.accepted - uses.get(0, 0)}  # version -> fresh groups trained by then
     step: StepInFlight | None = None
@@ -180,12 +182,12 @@ def decoupled_loop(pool: ResourcePool, config: RunConfig, log: RunLog, state: Ru
             and not out_of_time(budget, now, got.mean_seconds + step_s)
         ):
             state.tail_over_provisioned += gate.take(w)
-            ref, group = _launch(pool, w, weights.versions.confirmed[w], state)
+            ref, group = _launch(cluster, w, weights.versions.confirmed[w], state)
             rollouts[ref] = group
             workers.start(w)
         # train: start a step when a batch can be planned; the groups still running carry over
         if step is None and can_step:
-            step = _start_step(pool, config, state, share, time.monotonic() - waiting_since)
+            step = _start_step(cluster, config, state, share, time.monotonic() - waiting_since)
             if step is not None and tail.policy is not None and rollouts:
                 _carry_over(log, state, step, len(rollouts))
         if step is None and (not can_step or not (rollouts or weights.refs)):
@@ -196,13 +198,13 @@ def decoupled_loop(pool: ResourcePool, config: RunConfig, log: RunLog, state: Ru
         for ref in ready:
             if step is not None and ref == step.refs[0]:
                 before = state.version
-                _finish_step(pool, config, log, state, clock, step, got.reports, share, weights, saved)
+                _finish_step(cluster, config, log, state, clock, step, got.reports, share, weights, saved)
                 trained[state.version] = trained[before] + step.fresh
                 got.reports, waiting_since = [], time.monotonic()
                 if elastic is not None:  # elastic pool: a slot may change role at this version boundary
                     elastic.stepped(len(step.plan.group_ids))
                     by_worker = (rollouts, workers, weights)  # what the loop keys by worker position
-                    _elastic_boundary(elastic, pool, log, state, clock, share, got, trained, by_worker)
+                    _elastic_boundary(elastic, cluster, log, state, clock, share, got, trained, by_worker)
                 step = None
             elif ref in rollouts:
                 workers.done(rollouts.pop(ref).worker)
@@ -224,13 +226,13 @@ def _tail_policy(config: RunConfig) -> TailPolicy | None:
     return TailPolicy(config.tail.policy_config()) if config.tail.active(config.mode) else None
 
 
-def _tail_runtime(pool: ResourcePool, config: RunConfig) -> TailRuntime | None:
+def _tail_runtime(cluster: Cluster, config: RunConfig) -> TailRuntime | None:
     """What applies the tail's per-episode actions (migrations, freed engines, concurrency limits)."""
     t = config.tail
     if not (t.active(config.mode) and (t.migrate or t.set_concurrency)):
         return None
     r = config.rollout
-    return TailRuntime(pool, r.group_size, r.max_batch_size, unknown_tokens=r.max_context_tokens)
+    return TailRuntime(cluster, r.group_size, r.max_batch_size, unknown_tokens=r.max_context_tokens)
 
 
 def _log_events(log: RunLog, state: RunState, kind: str, events: list[dict[str, Any]]) -> None:
@@ -247,7 +249,7 @@ def _carry_over(log: RunLog, state: RunState, step: StepInFlight, running: int) 
 
 def _elastic_boundary(
     elastic: ElasticDriver,
-    pool: ResourcePool,
+    cluster: Cluster,
     log: RunLog,
     state: RunState,
     clock: Clock,
@@ -260,7 +262,7 @@ def _elastic_boundary(
     rollout worker position (groups in flight, busy clocks, weight pushes); the groups the drained
     worker finished arrive."""
     rollouts, workers, weights = by_worker
-    before = [s.index for s in pool.rollout_slots]
+    before = [s.index for s in cluster.rollout_slots]
     state.count_rollout_slots(len(before), clock.now())  # the idle ratios' denominator, at the old count
     event, change = elastic.at_boundary(
         state,
@@ -275,7 +277,7 @@ def _elastic_boundary(
         return
     state.role_changes += 1
     state.role_change_s += change.cost.total_s
-    gone, joined = moved_positions(before, [s.index for s in pool.rollout_slots])
+    gone, joined = moved_positions(before, [s.index for s in cluster.rollout_slots])
     if gone is not None:
         for ref in [r for r, g in rollouts.items() if g.worker == gone]:
             del rollouts[ref]  # drained: finished (in `change.drained`), failed or abandoned
@@ -291,20 +293,20 @@ def _elastic_boundary(
     got.add(change.drained)
 
 
-def _launch(pool: ResourcePool, worker: int, version: int, state: RunState) -> tuple[Any, GroupInFlight]:
+def _launch(cluster: Cluster, worker: int, version: int, state: RunState) -> tuple[Any, GroupInFlight]:
     """Start one group on `worker`, registered in flight with the version its engine confirmed."""
     group_id = uuid.uuid4().hex
-    ray.get(pool.replay.begin_group.remote(group_id, version))
-    ref = pool.rollout[worker].generate.remote(next_seeds(state, 1), [group_id])
+    ray.get(cluster.replay.begin_group.remote(group_id, version))
+    ref = cluster.rollout[worker].generate.remote(next_seeds(state, 1), [group_id])
     return ref, GroupInFlight(worker, group_id, time.monotonic())
 
 
 def _start_step(
-    pool: ResourcePool, config: RunConfig, state: RunState, share: ReplayShare | None, wait_s: float
+    cluster: Cluster, config: RunConfig, state: RunState, share: ReplayShare | None, wait_s: float
 ) -> StepInFlight | None:
     """Plan a batch (fresh first; replay fills in reflow mode) and start the step, or None to wait."""
     plan = ray.get(
-        pool.replay.plan_and_consume.remote(
+        cluster.replay.plan_and_consume.remote(
             config.rollout.groups_per_step,
             state.version,
             share.share if share else 0.0,
@@ -314,11 +316,13 @@ def _start_step(
     )
     if plan is None:
         return None
-    return StepInFlight(pool.start_train_step(plan.group_ids, state.step + 1), plan, wait_s, time.monotonic())
+    return StepInFlight(
+        cluster.start_train_step(plan.group_ids, state.step + 1), plan, wait_s, time.monotonic()
+    )
 
 
 def _finish_step(
-    pool: ResourcePool,
+    cluster: Cluster,
     config: RunConfig,
     log: RunLog,
     state: RunState,
@@ -359,14 +363,14 @@ def _finish_step(
     clock.tick()
     plan = step.plan
     record = step_record(
-        state, len(pool.rollout), reports, len(plan.group_ids), metrics, plan.staleness, extra
+        state, len(cluster.rollout), reports, len(plan.group_ids), metrics, plan.staleness, extra
     )
     log.step({**record, **plan.metrics})
-    after_step(pool, config, log, state, clock, scheduler)  # points are snapshots: rollout goes on
+    after_step(cluster, config, log, state, clock, scheduler)  # points are snapshots: rollout goes on
 
 
 def _scheduler_state(
-    pool: ResourcePool,
+    cluster: Cluster,
     share: ReplayShare | None,
     elastic: ElasticDriver | None,
     tail: TailGate,
@@ -381,7 +385,7 @@ def _scheduler_state(
         },
         "tail": tail.state_dict(),
         "elastic": elastic.state_dict() if elastic else None,
-        "roles": pool.roles(),
+        "roles": cluster.roles(),
     }
 
 
@@ -393,7 +397,7 @@ def _restore(
     got: Arrivals,
 ) -> list[dict[str, Any]]:
     """A resume: the saved adaptive state back into the loop's parts (the layout was restored when the
-    pool started, `checkpoints.resumed_config`); the tail's events of the limits set."""
+    cluster started, `checkpoints.resumed_config`); the tail's events of the limits set."""
     if not saved:
         return []
     if share is not None and saved.get("replay_share"):

@@ -24,7 +24,7 @@ from reflow.policy.eval_schedule import EvalSchedule
 from reflow.recipes.run_log import RunLog
 from reflow.recipes.run_state import Clock, RunState
 from reflow.rollout.collect import EVAL_SEED_BASE
-from reflow.runtime.pool import ResourcePool
+from reflow.runtime.cluster import Cluster
 
 
 def deferred(config: RunConfig) -> bool:
@@ -32,7 +32,7 @@ def deferred(config: RunConfig) -> bool:
     return config.eval.deferred or config.mode != "sync"
 
 
-def evaluate(pool: ResourcePool, config: RunConfig, log: RunLog, state: RunState, clock: Clock) -> None:
+def evaluate(cluster: Cluster, config: RunConfig, log: RunLog, state: RunState, clock: Clock) -> None:
     """Held-out success now (greedy, or sampled per `eval.temperature`), or (`deferred`) a weight
     snapshot evaluated after the run."""
     if not config.eval.episodes:
@@ -48,11 +48,11 @@ def evaluate(pool: ResourcePool, config: RunConfig, log: RunLog, state: RunState
 
         path = config.run_dir / "snapshots" / f"step-{state.step:06d}.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(ray.get(pool.state_dict_ref()), path)
+        torch.save(ray.get(cluster.state_dict_ref()), path)
         state.snapshots.append({**point, "weights": str(path)})
         return
     start = time.monotonic()
-    _evaluate_point(pool, config, log, state, point)
+    _evaluate_point(cluster, config, log, state, point)
     state.eval_s += time.monotonic() - start
 
 
@@ -66,7 +66,7 @@ def eval_due(config: RunConfig, state: RunState) -> bool:
     return bool(config.eval.every) and state.step % config.eval.every == 0
 
 
-def measure_headroom(pool: ResourcePool, config: RunConfig, log: RunLog, state: RunState, when: str) -> None:
+def measure_headroom(cluster: Cluster, config: RunConfig, log: RunLog, state: RunState, when: str) -> None:
     """With `eval.pass_at` = k > 0: greedy success, mean@k sampled success, pass@k and the RL headroom
     on `eval.end_episodes` held-out tasks (`RolloutWorker.headroom`), kept as `state.headroom[when]`
     for the run summary. Live, whatever `eval.deferred` says: a start-and-end figure is no curve. Its
@@ -75,7 +75,7 @@ def measure_headroom(pool: ResourcePool, config: RunConfig, log: RunLog, state: 
         return
     start = time.monotonic()
     ev = config.eval
-    result = ray.get(pool.rollout[0].headroom.remote(ev.end_episodes, EVAL_SEED_BASE, ev.pass_at))
+    result = ray.get(cluster.rollout[0].headroom.remote(ev.end_episodes, EVAL_SEED_BASE, ev.pass_at))
     state.eval_s += time.monotonic() - start
     state.headroom[when] = {"step": state.step, **result}
     log.write("headroom", {"when": when, **state.headroom[when]})
@@ -88,9 +88,9 @@ def measure_headroom(pool: ResourcePool, config: RunConfig, log: RunLog, state: 
 
 
 def _evaluate_point(
-    pool: ResourcePool, config: RunConfig, log: RunLog, state: RunState, point: dict[str, Any]
+    cluster: Cluster, config: RunConfig, log: RunLog, state: RunState, point: dict[str, Any]
 ) -> None:
-    result = pool.evaluate(config.eval.episodes, EVAL_SEED_BASE)
+    result = cluster.evaluate(config.eval.episodes, EVAL_SEED_BASE)
     record = {
         **{k: v for k, v in point.items() if k != "weights"},
         "success_rate": result["success_rate"],
@@ -104,7 +104,7 @@ def _evaluate_point(
     log.eval(record)
 
 
-def evaluate_snapshots(pool: ResourcePool, config: RunConfig, log: RunLog, state: RunState) -> None:
+def evaluate_snapshots(cluster: Cluster, config: RunConfig, log: RunLog, state: RunState) -> None:
     """Deferred evaluation: load each snapshot into engine 0, evaluate it and remove its file, restore
     nothing (the run is over). A point whose file is gone (evaluated by an earlier incarnation that
     crashed later, or a snapshot of an older ReFlow) is skipped."""
@@ -115,8 +115,8 @@ def evaluate_snapshots(pool: ResourcePool, config: RunConfig, log: RunLog, state
         if not path.is_file():
             continue
         weights = ray.put(torch.load(path, weights_only=True))
-        ray.get(pool.rollout[0].update_weights.remote(weights, point["version"], rewind=True))
-        _evaluate_point(pool, config, log, state, point)
+        ray.get(cluster.rollout[0].update_weights.remote(weights, point["version"], rewind=True))
+        _evaluate_point(cluster, config, log, state, point)
         path.unlink()
     state.snapshots = [{k: v for k, v in p.items() if k != "weights"} for p in state.snapshots]
     shutil.rmtree(config.run_dir / "snapshots", ignore_errors=True)  # and those of steps a crash lost

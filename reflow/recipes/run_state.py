@@ -106,14 +106,14 @@ def next_seeds(state: RunState, n: int, config: RunConfig | None = None) -> list
     """Task seeds for `n` groups: fresh ones (training seeds count up from 0), or with
     `tasks.learnability` (pass `config`) revisits of learnable tasks first, then fresh ones. The
     filter's random draw is seeded by the run state, so a resumed run draws as the original did."""
-    tasks = task_filter(config, state) if config is not None else None
-    revisits = tasks.pick(n, random.Random(state.next_seed)) if tasks else []
+    learnable = task_filter(config, state) if config is not None else None
+    revisits = learnable.pick(n, random.Random(state.next_seed)) if learnable else []
     seeds = revisits + list(range(state.next_seed, state.next_seed + n - len(revisits)))
     state.next_seed += n - len(revisits)
     if state.next_seed >= EVAL_SEED_BASE:
         raise RuntimeError("training task seeds ran into the held-out range")
-    if tasks:
-        tasks.start(seeds)
+    if learnable:
+        learnable.start(seeds)
     return seeds
 
 
@@ -121,16 +121,16 @@ def observe_tasks(
     config: RunConfig, state: RunState, seeds: list[int], reports: list[GroupReport], workers: int = 1
 ) -> None:
     """Each group's successes to the learnability filter (a no-op with `tasks.learnability` off).
-    `reports` come as `ResourcePool.generate(seeds)` returns them: the seeds dealt round-robin over
+    `reports` come as `Cluster.generate(seeds)` returns them: the seeds dealt round-robin over
     `workers` rollout workers, then worker by worker."""
-    tasks = task_filter(config, state)
-    if tasks is None:
+    learnable = task_filter(config, state)
+    if learnable is None:
         return
     dealt = [s for i in range(workers) for s in seeds[i::workers]]
     if len(dealt) != len(reports):
         raise ValueError(f"{len(dealt)} seeds for {len(reports)} group reports")
     for seed, report in zip(dealt, reports, strict=True):
-        tasks.observe(seed, report.successes)
+        learnable.observe(seed, report.successes)
 
 
 def spread_round_size(want: int, missing: int, reports: list[GroupReport]) -> int:

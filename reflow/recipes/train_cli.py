@@ -55,7 +55,7 @@ def cmd_agent_train(args: argparse.Namespace) -> int:
     if host_code:  # the run goes on (the operator of a local run is its user), but never silently
         console.print(host_code, style="yellow", markup=False, highlight=False, soft_wrap=True)
     from reflow.recipes.agent_train import train
-    from reflow.runtime.pool import start_ray
+    from reflow.runtime.cluster import start_ray
 
     # A SIGTERM (a scheduler, `kill`) stops the run as Ctrl-C does, through the same cleanup (the
     # workers' sandboxes removed), instead of ending the driver where it stands. After Ray starts:

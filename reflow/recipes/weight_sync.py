@@ -20,7 +20,7 @@ from typing import Any
 
 import ray
 
-from reflow.runtime.pool import ResourcePool
+from reflow.runtime.cluster import Cluster
 
 
 class EngineVersions:
@@ -89,9 +89,9 @@ class WeightPusher:
     """Pushes each new trainer version to every rollout worker without stopping the trainer; every push
     is tracked (`refs`), collected (`collect`) and its failure raised; see the module docstring."""
 
-    def __init__(self, pool: ResourcePool, version: int) -> None:
-        self.pool = pool
-        self.versions = EngineVersions(len(pool.rollout), version)
+    def __init__(self, cluster: Cluster, version: int) -> None:
+        self.cluster = cluster
+        self.versions = EngineVersions(len(cluster.rollout), version)
         self.refs: dict[Any, int] = {}  # push object ref -> rollout worker index
         self._weights: Any = None  # an object ref to the newest weights (older ones are freed)
 
@@ -101,7 +101,7 @@ class WeightPusher:
 
     def publish(self, version: int) -> None:
         """Trainer weights `version` to every worker: now where no push is in flight, else next."""
-        self._weights = self.pool.state_dict_ref()  # a collective over the trainer ranks
+        self._weights = self.cluster.state_dict_ref()  # a collective over the trainer ranks
         for worker in self.versions.publish(version):
             self._push(worker, version)
 
@@ -124,7 +124,7 @@ class WeightPusher:
                 self._push(worker, following)
 
     def remove(self, worker: int) -> None:
-        """Rollout worker `worker` left the pool (a role change): forget it and any push to it, and
+        """Rollout worker `worker` left the rollout role (a role change): forget it and any push to it, and
         re-number the pushes to the workers after it."""
         self.versions.remove(worker)
         self.refs = {ref: w - (w > worker) for ref, w in self.refs.items() if w != worker}
@@ -144,12 +144,12 @@ class WeightPusher:
             self.collect(ready)
 
     def _push(self, worker: int, version: int) -> None:
-        self.refs[self.pool.rollout[worker].update_weights.remote(self._weights, version)] = worker
+        self.refs[self.cluster.rollout[worker].update_weights.remote(self._weights, version)] = worker
 
 
-def sync_weights(pool: ResourcePool, version: int) -> None:
+def sync_weights(cluster: Cluster, version: int) -> None:
     """Trainer weights to every engine, tagged `version`; returns once every engine has them."""
-    ref = pool.state_dict_ref()
-    versions = ray.get([w.update_weights.remote(ref, version) for w in pool.rollout])
+    ref = cluster.state_dict_ref()
+    versions = ray.get([w.update_weights.remote(ref, version) for w in cluster.rollout])
     if any(v != version for v in versions):
         raise RuntimeError(f"engines report weight versions {versions}, expected {version}")

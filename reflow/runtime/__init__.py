@@ -1,8 +1,8 @@
-"""The runtime on Ray: the resource pool of device slots and the actors placed on them (rollout workers,
+"""The runtime on Ray: the run's cluster of device slots and the actors placed on them (rollout workers,
 trainer ranks, the replay service), the only layer that knows envs, engines, replay and training
 together, and the drivers that run the scheduling policies (`reflow.policy`) on them.
 
-- `pool`: `ResourcePool`, the slots and their actors; `role_change`: one slot's move, measured.
+- `cluster`: `Cluster`, the slots and their actors; `role_change`: one slot's move, measured.
 - `workers`: `RolloutWorker` (an engine and env instances) and `TrainerRank`; `engines`: which
   engine a worker builds; `worker_tail`: a worker's side of the tail (progress, migrations, limits).
 - `replay_service`: the replay store as an actor.

@@ -1,6 +1,6 @@
 """The Ray runtime's `Actuator` (`reflow.policy.actuator`): the policies' decisions applied to actors.
 
-- `move_slot`: `ResourcePool.move` (`reflow.runtime.role_change`). Towards training, the rollout
+- `move_slot`: `Cluster.move` (`reflow.runtime.role_change`). Towards training, the rollout
   worker with the fewest groups in flight drains (`worker_to_drain`; its groups in flight, from
   `in_flight`, are waited for); towards rollout, the last train slot leaves the trainer group. Every
   applied change is kept in `changes` (the loop re-indexes its per-worker state from the last one).
@@ -30,29 +30,29 @@ def worker_to_drain(in_flight_per_worker: Sequence[int]) -> int:
 
 
 class RayActuator:
-    """Applies decisions on a `ResourcePool` (see the module docstring). `tail`: the
+    """Applies decisions on a `Cluster` (see the module docstring). `tail`: the
     `reflow.runtime.tail.TailRuntime` that applies per-episode actions (None: they are refused; typed
     by its use here, as that module builds its actuator from this one); `drain_timeout_s`: how long
     a move to training waits for the drained worker's groups at most."""
 
-    def __init__(self, pool: Any, tail: Any = None, drain_timeout_s: float | None = None) -> None:
-        self.pool, self.tail, self.drain_timeout_s = pool, tail, drain_timeout_s
+    def __init__(self, cluster: Any, tail: Any = None, drain_timeout_s: float | None = None) -> None:
+        self.cluster, self.tail, self.drain_timeout_s = cluster, tail, drain_timeout_s
         self.in_flight: Mapping[Any, tuple[int, Sequence[str]]] = {}
         """The loop's groups in flight (object ref of a `generate` call -> its worker's position in
-        `pool.rollout`, the group ids registered for it); the elastic runtime sets it before asking."""
+        `cluster.rollout`, the group ids registered for it); the elastic runtime sets it before asking."""
         self.changes: list[RoleChange] = []
 
     def move_slot(self, decision: ElasticDecision) -> RoleChangeCost:
         if decision.action == "to_train":
-            counts = [0] * len(self.pool.rollout)
+            counts = [0] * len(self.cluster.rollout)
             for worker, _ in self.in_flight.values():
                 counts[worker] += 1
             worker = worker_to_drain(counts)
-            slot: int | str = self.pool.rollout_slots[worker].index
+            slot: int | str = self.cluster.rollout_slots[worker].index
             drain = {ref: list(ids) for ref, (w, ids) in self.in_flight.items() if w == worker}
-            change = self.pool.move(slot, "train", drain, self.drain_timeout_s)
+            change = self.cluster.move(slot, "train", drain, self.drain_timeout_s)
         else:
-            change = self.pool.move("train", "rollout")
+            change = self.cluster.move("train", "rollout")
         self.changes.append(change)
         return change.cost
 

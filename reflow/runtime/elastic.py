@@ -3,10 +3,10 @@
 One decision goes: the decoupled loop (`reflow.recipes.decoupled._elastic_boundary`) ->
 `ElasticDriver.at_boundary` (the run's cumulative counters since the last boundary, as an
 `Interval`) -> `ElasticRuntime.at_boundary` (the observation, `reflow.policy.elastic.observe`) ->
-`ElasticPolicy.decide` -> `RayActuator.move_slot` -> `ResourcePool.move` ->
+`ElasticPolicy.decide` -> `RayActuator.move_slot` -> `Cluster.move` ->
 `reflow.runtime.role_change.move_slot`.
 
-    driver = ElasticDriver(pool, config, state, now_s)
+    driver = ElasticDriver(cluster, config, state, now_s)
     event, change = driver.at_boundary(state, now_s, generated, replay_share=0.25, fresh_waiting=3,
                                        in_flight={ref: GroupInFlight(worker, group_id, started)})
 
@@ -51,19 +51,19 @@ def moved_positions(before: Sequence[int], after: Sequence[int]) -> tuple[int | 
 
 
 class ElasticRuntime:
-    """Drives one `ElasticPolicy` on a `ResourcePool` through a `RayActuator` (module docstring)."""
+    """Drives one `ElasticPolicy` on a `Cluster` through a `RayActuator` (module docstring)."""
 
     def __init__(
         self,
-        pool: Any,
+        cluster: Any,
         policy: ElasticPolicy,
         batch_size: float,
         *,
         unit: Literal["samples", "tokens"] = "samples",
         drain_timeout_s: float | None = None,
     ) -> None:
-        self.pool, self.policy, self.batch_size, self.unit = pool, policy, batch_size, unit
-        self.actuator = RayActuator(pool, drain_timeout_s=drain_timeout_s)
+        self.cluster, self.policy, self.batch_size, self.unit = cluster, policy, batch_size, unit
+        self.actuator = RayActuator(cluster, drain_timeout_s=drain_timeout_s)
         self.costs: dict[str, RoleChangeCost | None] = {"to_rollout": None, "to_train": None}
         """The last measured cost of each direction (None until one was made)."""
         self.last_change_step = 0
@@ -79,9 +79,9 @@ class ElasticRuntime:
         in_flight: Mapping[Any, tuple[int, Sequence[str]]] | None = None,
     ) -> tuple[dict[str, Any], RoleChange | None]:
         """Decide at this version boundary (no train step in flight) and apply a move. `in_flight`:
-        object ref of each `generate` call in flight -> (its worker's position in `pool.rollout`, the
+        object ref of each `generate` call in flight -> (its worker's position in `cluster.rollout`, the
         group ids registered for it). Returns the metrics event and the applied change (None on
-        hold); after a change the driver re-indexes its per-worker state (`pool.rollout` changed),
+        hold); after a change the driver re-indexes its per-worker state (`cluster.rollout` changed),
         drops the drained refs from its own table and counts `change.drained` as arrived."""
         self.actuator.in_flight = dict(in_flight or {})
         obs = observe(
@@ -89,8 +89,8 @@ class ElasticRuntime:
             step=step,
             version=version,
             steps_since_change=step - self.last_change_step,
-            rollout_slots=len(self.pool.rollout),
-            train_slots=len(self.pool.trainers),
+            rollout_slots=len(self.cluster.rollout),
+            train_slots=len(self.cluster.trainers),
             batch_size=self.batch_size,
             replay_share=replay_share,
             fresh_waiting=fresh_waiting,
@@ -114,13 +114,13 @@ class ElasticRuntime:
 class ElasticDriver:
     """The loop's side of the elastic pool: counters in, `ElasticRuntime.at_boundary` out."""
 
-    def __init__(self, pool: Any, config: RunConfig, state: Any, now_s: float) -> None:
+    def __init__(self, cluster: Any, config: RunConfig, state: Any, now_s: float) -> None:
         """`state`: the loop's `RunState` at the start, `now_s`: training seconds then."""
         self.group_size = config.rollout.group_size
         batch = config.rollout.groups_per_step * self.group_size
         policy = ElasticPolicy(config.elastic.policy_config())
         self.runtime = ElasticRuntime(
-            pool, policy, batch_size=batch, drain_timeout_s=policy.cfg.drain_timeout_s
+            cluster, policy, batch_size=batch, drain_timeout_s=policy.cfg.drain_timeout_s
         )
         self.trained = 0.0  # episodes trained on (fresh and replayed; samples, the policy's unit)
         self.then = Totals(now_s, state.rollout_busy_s, 0.0, state.trainer_busy_s, 0.0)
@@ -131,7 +131,7 @@ class ElasticDriver:
     def state_dict(self) -> dict[str, Any]:
         """What a resume restores (saved with checkpoints): the measured cost of each direction, the
         step of the last change (the dwell time) and the policy's last move. The slot layout is the
-        pool's (`ResourcePool.roles`), restored when the pool starts."""
+        cluster's (`Cluster.roles`), restored when the cluster starts."""
         rt, policy = self.runtime, self.runtime.policy
         return {
             "costs": {k: asdict(c) if c is not None else None for k, c in rt.costs.items()},

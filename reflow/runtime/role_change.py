@@ -1,4 +1,4 @@
-"""A slot's role change in the elastic pool (`ResourcePool.move`), measured per part.
+"""A slot's role change in the elastic pool (`Cluster.move`), measured per part.
 
 rollout -> train (at a version boundary, no train step in flight):
   1. drain: the slot's groups still generating are waited for (they are stored by the worker before
@@ -24,7 +24,7 @@ elastic policy weighs a change against; the drain wait is reported beside it (it
 episodes in flight, not on the slot).
 
 A failure part-way (an actor that does not start, a rendezvous that times out) raises and leaves the
-pool as far as it got: the run stops and resumes from its last checkpoint, the replay store holding
+cluster as far as it got: the run stops and resumes from its last checkpoint, the replay store holding
 every acknowledged group.
 """
 
@@ -34,15 +34,37 @@ import contextlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import ray
 
 from reflow.policy.elastic import RoleChangeCost
 from reflow.runtime.workers import GroupReport, report_group
 
-if TYPE_CHECKING:
-    from reflow.runtime.pool import ResourcePool, Slot
+
+@dataclass
+class Slot:
+    """One device slot: its role now, the actor holding it, and its bundle (placement group, index)."""
+
+    index: int
+    role: str
+    actor: Any = None
+    bundle: tuple[Any, int] | None = None
+
+
+class SlotOwner(Protocol):
+    """What a role change needs of the cluster that owns the slot (`Cluster`, which imports this
+    module to move a slot: it is not imported back)."""
+
+    replay: Any
+
+    @property
+    def trainers(self) -> list[Any]: ...
+
+    def place(self, slot: Slot, role: str, *, rank: int = 0, world_size: int = 1) -> Any: ...
+
+    def roles(self) -> list[str]: ...
+
 
 ACTOR_STOP_TIMEOUT_S = 60.0
 """How long a rollout worker may take to close its engine before its actor is killed: a launched SGLang
@@ -95,7 +117,7 @@ class RoleChange:
 
 
 def move_slot(
-    pool: ResourcePool,
+    cluster: SlotOwner,
     slot: Slot,
     to_role: str,
     in_flight: Mapping[Any, Sequence[str]] | None,
@@ -107,39 +129,39 @@ def move_slot(
     failed: list[str] = []
     abandoned: list[str] = []
     if from_role == "rollout":
-        drained, failed, abandoned = _drain(pool, dict(in_flight or {}), drain_timeout_s)
+        drained, failed, abandoned = _drain(cluster, dict(in_flight or {}), drain_timeout_s)
     elif in_flight:
         raise ValueError("in_flight names rollout groups: a train slot has none to drain")
     t_drain = time.monotonic()
 
-    model_ref, rest_ref = _gather_state(pool)
-    version = ray.get(pool.trainers[0].version.remote())  # not from rest_ref: that is the optimizer too
+    model_ref, rest_ref = _gather_state(cluster)
+    version = ray.get(cluster.trainers[0].version.remote())  # not from rest_ref: that is the optimizer too
     t_gather = time.monotonic()
 
     if to_role == "train":
         _stop(slot)
-        late, abandoned = stored_after_all(pool.replay, abandoned)
+        late, abandoned = stored_after_all(cluster.replay, abandoned)
         drained += late
         slot.role = "train"
-        slot.actor = pool.place(slot, "train")
+        slot.actor = cluster.place(slot, "train")
         ray.get(slot.actor.prepare.remote())
         t_actor = time.monotonic()
-        ray.get([t.leave.remote() for t in pool.trainers])
-        _join(pool)
+        ray.get([t.leave.remote() for t in cluster.trainers])
+        _join(cluster)
         t_group = time.monotonic()
-        ray.get([t.load_full_state.remote(model_ref, rest_ref) for t in pool.trainers])
+        ray.get([t.load_full_state.remote(model_ref, rest_ref) for t in cluster.trainers])
         actor_s, reform_s = t_actor - t_gather, t_group - t_actor
     else:
-        ray.get([t.leave.remote() for t in pool.trainers])
+        ray.get([t.leave.remote() for t in cluster.trainers])
         t_left = time.monotonic()
         _stop(slot)
         slot.role = "rollout"
-        slot.actor = pool.place(slot, "rollout")
+        slot.actor = cluster.place(slot, "rollout")
         ray.get(slot.actor.__ray_ready__.remote())
         t_actor = time.monotonic()
-        _join(pool)
+        _join(cluster)
         t_group = time.monotonic()
-        loads = [t.load_full_state.remote(model_ref, rest_ref) for t in pool.trainers]
+        loads = [t.load_full_state.remote(model_ref, rest_ref) for t in cluster.trainers]
         confirmed = ray.get(slot.actor.update_weights.remote(model_ref, version))
         ray.get(loads)
         if confirmed != version:
@@ -164,12 +186,12 @@ def move_slot(
         drained=drained,
         failed=failed,
         abandoned=abandoned,
-        roles=pool.roles(),
+        roles=cluster.roles(),
     )
 
 
 def _drain(
-    pool: ResourcePool, in_flight: dict[Any, Sequence[str]], timeout_s: float | None
+    cluster: SlotOwner, in_flight: dict[Any, Sequence[str]], timeout_s: float | None
 ) -> tuple[list[GroupReport], list[str], list[str]]:
     """Wait for the slot's groups in flight; (stored reports, failed group ids, abandoned group ids)."""
     if not in_flight:
@@ -187,7 +209,7 @@ def _drain(
         with contextlib.suppress(Exception):
             ray.cancel(ref)
     # the actor is killed next, so its own clean-up never runs: free the admission slots here
-    ray.get([pool.replay.end_group.remote(g) for g in abandoned])
+    ray.get([cluster.replay.end_group.remote(g) for g in abandoned])
     return drained, failed, abandoned
 
 
@@ -205,9 +227,9 @@ def stored_after_all(replay: Any, abandoned: list[str]) -> tuple[list[GroupRepor
     return late, gone
 
 
-def _gather_state(pool: ResourcePool) -> tuple[Any, Any]:
+def _gather_state(cluster: SlotOwner) -> tuple[Any, Any]:
     """Object refs to rank 0's (weights, rest of the state); every rank takes part (a collective)."""
-    refs = [t.full_state.options(num_returns=2).remote() for t in pool.trainers]
+    refs = [t.full_state.options(num_returns=2).remote() for t in cluster.trainers]
     ray.wait(list(refs[0]), num_returns=2)
     ray.get([r for pair in refs[1:] for r in pair])  # the other ranks are done with the collective too
     return refs[0][0], refs[0][1]
@@ -222,9 +244,9 @@ def _stop(slot: Slot) -> None:
     slot.actor = None
 
 
-def _join(pool: ResourcePool) -> None:
+def _join(cluster: SlotOwner) -> None:
     """The train slots form a new group: ranks by slot order, rendezvous at rank 0's address."""
-    trainers = pool.trainers
+    trainers = cluster.trainers
     world = len(trainers)
     master = ray.get(trainers[0].master_address.remote()) if world > 1 else None
     ray.get([t.reform.remote(rank, world, master) for rank, t in enumerate(trainers)])

@@ -62,7 +62,7 @@ again."""
 
 @dataclass
 class GroupInFlight:
-    """A group the loop started: on which rollout worker (position in `pool.rollout`), since when."""
+    """A group the loop started: on which rollout worker (position in `cluster.rollout`), since when."""
 
     worker: int
     group_id: str
@@ -88,9 +88,9 @@ class TailRuntime:
     limit (sequences) until its first report; `unknown_tokens`: a placeholder's context tokens."""
 
     def __init__(
-        self, pool: Any, group_size: int, limit: int, unknown_tokens: int = 4096, poll_s: float = POLL_S
+        self, cluster: Any, group_size: int, limit: int, unknown_tokens: int = 4096, poll_s: float = POLL_S
     ) -> None:
-        self.pool, self.group_size, self.limit, self.poll_s = pool, group_size, limit, poll_s
+        self.cluster, self.group_size, self.limit, self.poll_s = cluster, group_size, limit, poll_s
         self.unknown_tokens = unknown_tokens
         self.snapshot: Snapshot | None = None
         self.seen: set[str] = set()  # groups whose episodes a snapshot listed
@@ -102,7 +102,7 @@ class TailRuntime:
 
     def engine_ids(self) -> list[str]:
         """Engine names by rollout position."""
-        return [engine_name(s.index) for s in self.pool.rollout_slots]
+        return [engine_name(s.index) for s in self.cluster.rollout_slots]
 
     # -- looking -----------------------------------------------------------------------------------------
 
@@ -111,7 +111,7 @@ class TailRuntime:
         if not force and self.snapshot is not None and now - self.snapshot.at < self.poll_s:
             return []
         snap, events = Snapshot(now), []
-        refs = [w.progress.remote() for w in self.pool.rollout]
+        refs = [w.progress.remote() for w in self.cluster.rollout]
         rates = []
         for ref in refs:
             try:
@@ -190,7 +190,10 @@ class TailRuntime:
         if owner not in ids or action.target not in ids:
             why = "its worker has not reported it yet" if owner is None else "its worker or the target left"
             return {"applied": False, "error": f"episode {action.episode}: {why}"}
-        worker, target = self.pool.rollout[ids.index(owner)], self.pool.rollout[ids.index(action.target)]
+        worker, target = (
+            self.cluster.rollout[ids.index(owner)],
+            self.cluster.rollout[ids.index(action.target)],
+        )
         try:
             result = ray.get(worker.migrate.remote(action.episode, target, action.target))
         except Exception as e:  # the owner is gone: its episodes are its group's (drained or lost there)
@@ -221,7 +224,7 @@ class TailRuntime:
         try:
             now = int(
                 ray.get(
-                    self.pool.rollout[ids.index(action.engine)].set_concurrency.remote(action.concurrency)
+                    self.cluster.rollout[ids.index(action.engine)].set_concurrency.remote(action.concurrency)
                 )
             )
         except Exception as e:
@@ -321,7 +324,7 @@ class TailGate:
         """`per_worker`: groups a rollout worker runs at once (until its limit is measured)."""
         self.policy, self.batch, self.per_worker = policy, batch, per_worker
         self.group_size, self.runtime = group_size, runtime
-        self.actuator = RayActuator(runtime.pool if runtime is not None else None, runtime)
+        self.actuator = RayActuator(runtime.cluster if runtime is not None else None, runtime)
         self._last: set[Any] = set()  # the decisions of the last look (events only on change)
         self._group_s: list[float] = []  # the recent durations behind the quantiles
         self._episode_s: list[float] = []

@@ -1,6 +1,6 @@
 """The Ray actors of a run: rollout workers (an engine plus env instances) and trainer ranks.
 
-Both are plain classes, made remote by `reflow.runtime.pool` on a device slot, so they can also be used
+Both are plain classes, made remote by `reflow.runtime.cluster` on a device slot, so they can also be used
 in-process (tests, debugging). A rollout worker plays GRPO groups, fixes each group's advantages and
 stores it durably in the replay store before reporting it; a trainer rank reads groups from the store,
 takes its share of the rows and does one update (FSDP2 across ranks).
@@ -350,13 +350,13 @@ class TrainerRank:
         return state if self.rank == 0 else None
 
     def save_checkpoint(self, root: str, extra: dict[str, Any], keep: int) -> str | None:
-        from reflow.train.checkpoint import save_checkpoint
+        from reflow.train.trainer_state import save_checkpoint
 
         path = save_checkpoint(root, self.trainer, self.tokenizer, extra=extra, keep=keep)
         return str(path) if path else None
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
-        from reflow.train.checkpoint import load_checkpoint
+        from reflow.train.trainer_state import load_checkpoint
 
         return load_checkpoint(path, self.trainer)
 

@@ -5,12 +5,17 @@
 - `SandboxPool`: warm sandboxes for episodes, reset between them, with a live cap and a start rate.
 - `SandboxSession`: an env's per-episode lease; `sandbox_tools(session)`: the tools as `reflow.env.Tool`s;
   `shared_pool`, `make_sandbox`, `best_backend`.
+- `code_runner(kind)`: how an env that runs model-written Python asks for a sandbox (a `CodeRunner`), or
+  a host subprocess with rlimits (`SubprocessRunner`, `host_subprocess`: no sandbox); `describe_run`: the
+  text the model sees of a run.
+- The server these sandboxes run is `reflow_tools.in_sandbox` (standard library only); `channel` is the
+  host's end of its protocol.
 - `build_image` (sandbox images from a Dockerfile or debootstrap), `reap` (orphan containers).
 
 Nothing here imports torch, transformers or ray; the Docker SDK is imported only when used.
 """
 
-from reflow.sandbox.agent_tools import sandbox_tools
+from reflow.sandbox.agent_tools import describe_run, sandbox_tools
 from reflow.sandbox.base import (
     TOOLS,
     BaseSandbox,
@@ -20,6 +25,13 @@ from reflow.sandbox.base import (
     SandboxLimits,
     ToolOutput,
 )
+from reflow.sandbox.code_runner import (
+    CodeRunner,
+    RunnerError,
+    SandboxCodeRunner,
+    SubprocessRunner,
+    code_runner,
+)
 from reflow.sandbox.docker_sandbox import DockerSandbox
 from reflow.sandbox.factory import (
     backend_problem,
@@ -28,6 +40,7 @@ from reflow.sandbox.factory import (
     make_sandbox,
     shared_pool,
 )
+from reflow.sandbox.host_subprocess import ExecResult
 from reflow.sandbox.images import DEFAULT_IMAGE, BuildError, ImageRecipe, build_image
 from reflow.sandbox.pool import PoolExhausted, SandboxPool
 from reflow.sandbox.process_sandbox import ProcessSandbox
@@ -39,21 +52,28 @@ __all__ = [
     "TOOLS",
     "BaseSandbox",
     "BuildError",
+    "CodeRunner",
     "DockerSandbox",
+    "ExecResult",
     "ImageRecipe",
     "PoolExhausted",
     "ProcessSandbox",
+    "RunnerError",
     "Sandbox",
+    "SandboxCodeRunner",
     "SandboxDied",
     "SandboxError",
     "SandboxLimits",
     "SandboxPool",
     "SandboxSession",
+    "SubprocessRunner",
     "ToolOutput",
     "backend_problem",
     "best_backend",
     "build_image",
     "close_shared_pools",
+    "code_runner",
+    "describe_run",
     "make_sandbox",
     "reap",
     "sandbox_tools",

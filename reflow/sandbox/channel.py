@@ -24,31 +24,34 @@ from reflow.sandbox.base import SandboxDied
 STDERR_KEEP = 4096
 
 
-SERVER_MODULES = ("tool_procs", "tool_server")  # in import order
+SERVER_PACKAGE = "reflow_tools.in_sandbox"
+SERVER_MODULES = ("procs", "server")  # in import order
 BOOTSTRAP = """\
 import sys, types
-package = types.ModuleType("reflow_tools")
-package.__path__ = []
-sys.modules["reflow_tools"] = package
+for name in ("reflow_tools", PACKAGE):
+    package = types.ModuleType(name)
+    package.__path__ = []
+    sys.modules[name] = package
 for name, source in MODULES:
-    module = types.ModuleType("reflow_tools." + name)
+    module = types.ModuleType(PACKAGE + "." + name)
     module.__file__ = name + ".py"
     sys.modules[module.__name__] = module
     exec(compile(source, module.__file__, "exec"), module.__dict__)
-sys.modules["reflow_tools.tool_server"].main()
+sys.modules[PACKAGE + ".server"].main()
 """
 
 
 @cache
 def server_program() -> str:
-    """The `python3 -c` program that runs the tool server: its modules from `reflow_tools`, inlined.
+    """The `python3 -c` program that runs the tool server: the modules of `reflow_tools.in_sandbox`,
+    inlined.
 
     The sandbox needs nothing but Python 3; the server's code travels with each start."""
-    package = resources.files("reflow_tools")
+    package = resources.files(SERVER_PACKAGE)
     modules = tuple(
         (name, package.joinpath(name + ".py").read_text(encoding="utf-8")) for name in SERVER_MODULES
     )
-    return f"MODULES = {modules!r}\n{BOOTSTRAP}"
+    return f"PACKAGE = {SERVER_PACKAGE!r}\nMODULES = {modules!r}\n{BOOTSTRAP}"
 
 
 class Transport(Protocol):

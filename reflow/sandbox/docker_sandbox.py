@@ -3,7 +3,7 @@
 Isolation, all on by default: no network (only loopback exists inside), memory (no swap), pids and CPU
 limits, a read-only root with tmpfs work dirs (/work, /tmp, a small /dev/shm), a private IPC namespace
 with small caps (`ipc_sysctls`), a non-root user, every capability dropped, no-new-privileges, no core
-dumps, owner labels for the reaper. The tool server (tools/tool_server.py, sent as the `python3 -c`
+dumps, owner labels for the reaper. The tool server (`reflow_tools.in_sandbox`, sent as the `python3 -c`
 program) is PID 1: code inside cannot kill it, and it reaps orphans and kills whatever a call leaves
 running; a reset also removes the IPC objects and POSIX message queues a call left. The host talks to
 it over one attach stream that stays open, so a tool call costs a round trip on that stream, not a

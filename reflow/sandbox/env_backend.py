@@ -1,7 +1,7 @@
 """Where an env runs model-written code, asked of its registration before any env is made.
 
 An env that runs model code takes a `sandbox` constructor kwarg, the convention of
-`reflow_tools.code_runner` (PyCode-v0 follows it): "docker", "process", "subprocess" or "auto" (the
+`reflow.sandbox.code_runner` (PyCode-v0 follows it): "docker", "process", "subprocess" or "auto" (the
 strongest that works here). `env_backend` resolves that kwarg as the env will, so the env server can
 refuse, and `agent-train` warn about, an env that would run model code on the host: "auto" becomes
 "subprocess" when neither Docker nor bubblewrap works, and nothing else would say so but the `sandbox`

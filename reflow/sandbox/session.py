@@ -4,9 +4,8 @@
 `end_episode()` (on reset, after grading, on close) releases it for reset; if the sandbox dies in the
 middle of an episode (an OOM kill of the tool server, the engine restarting) the session drops it, the
 call reports a tool error, and the next call gets a fresh sandbox. A session that is garbage-collected
-without `close()` still gives its sandbox back.
-
-`SandboxCodeRunner` adapts a session to the `reflow_tools.code_runner` interface PyCode uses.
+without `close()` still gives its sandbox back. `code_runner.SandboxCodeRunner` runs an env's Python
+through one.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from reflow.sandbox.base import BaseSandbox, SandboxError, ToolOutput
+from reflow.sandbox.base import BaseSandbox, ToolOutput
 from reflow.sandbox.pool import SandboxPool
 
 
@@ -57,42 +56,3 @@ class SandboxSession:
 
     async def close(self) -> None:
         await self.end_episode()
-
-
-class SandboxCodeRunner:
-    """Runs Python for an env in pooled sandboxes of one kind (the `code_runner` interface)."""
-
-    def __init__(self, kind: str, pool: SandboxPool | None = None) -> None:
-        self.kind = kind
-        self._pool = pool
-        self.session: SandboxSession | None = None  # made on first use: no pool for an env never run
-
-    def _session(self) -> SandboxSession:
-        if self.session is None:
-            from reflow.sandbox.factory import shared_pool
-
-            self.session = SandboxSession(self._pool or shared_pool(self.kind))
-        return self.session
-
-    async def run_python(
-        self, code: str, *, stdin: str = "", timeout_s: float = 5.0, output_limit: int = 8192
-    ) -> Any:
-        from reflow_tools.code_runner import RunnerError
-        from reflow_tools.python_exec import ExecResult
-
-        args = {"code": code, "stdin": stdin, "output_limit": output_limit}
-        try:
-            out = await self._session().run_tool("run_python", args, timeout_s=timeout_s)
-        except SandboxError as e:
-            raise RunnerError(f"no sandbox available: {e}") from e
-        if not out.ok and not out.timed_out:
-            raise RunnerError(out.error or "the sandbox failed")
-        return ExecResult(out.stdout, out.stderr, out.exit_code, out.timed_out, out.truncated, out.latency_s)
-
-    async def end_episode(self) -> None:
-        if self.session is not None:
-            await self.session.end_episode()
-
-    async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()

@@ -1,4 +1,5 @@
-"""Trainer checkpoints: model, optimizer, step and version, RNG states and the run's replay cursor.
+"""The trainer's part of a checkpoint (`reflow.recipes.checkpoints` adds the run's): model, optimizer,
+step and version, RNG states and the run's replay cursor.
 
     save_checkpoint(run_dir / "checkpoints", trainer, tokenizer, extra={"next_seed": 96})
     ckpt = latest_checkpoint(run_dir / "checkpoints")   # None when there is none

@@ -98,7 +98,7 @@ def prepare_model(
     config: RunConfig, run_dir: Path, log: RunLog, *, resume: bool
 ) -> tuple[str, RunState, Path | None]:
     """(model path for the actors, the starting run state, the checkpoint to restore or None)."""
-    from reflow.train.checkpoint import latest_checkpoint
+    from reflow.train.trainer_state import latest_checkpoint
 
     if resume:
         ckpt = latest_checkpoint(run_dir / "checkpoints")

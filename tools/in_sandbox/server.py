@@ -9,10 +9,10 @@ Requests: {"id": n, "op": NAME, "args": {...}}. The first must be `hello` (its a
 server: work dir, whether to sweep, what to wipe on reset). Ops: hello, ping, run_python, run_shell,
 read_file, write_file, list_dir, reset, shutdown. Every reply has id, ok, stdout, stderr, exit_code,
 timed_out, truncated, latency_s, error (a message for the model when ok is false) and data.
-How a call's process runs, is limited and is cleaned up after: tool_procs.py.
+How a call's process runs, is limited and is cleaned up after: procs.py.
 
 Standard library only; runs on the image's Python 3 (3.8 or newer). The host sends this module and
-tool_procs.py as the program text of `python3 -c` (see `reflow.sandbox.channel.server_program`), so
+procs.py as the program text of `python3 -c` (see `reflow.sandbox.channel.server_program`), so
 the image never needs rebuilding when they change.
 """
 
@@ -27,7 +27,7 @@ import stat
 import sys
 import time
 
-from reflow_tools.tool_procs import (
+from reflow_tools.in_sandbox.procs import (
     MAX_OUTPUT_LIMIT,
     PR_SET_CHILD_SUBREAPER,
     PR_SET_DUMPABLE,

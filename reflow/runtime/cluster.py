@@ -1,18 +1,19 @@
-"""The resource pool: device slots (CPU cores here, GPUs on a cluster), each holding one role at a time.
+"""The run's cluster: its device slots (CPU cores here, GPUs on a Ray cluster of nodes), each holding one
+role at a time, and the actors placed on them.
 
-    pool = ResourcePool(config, model_path, run_dir)
-    pool.rollout   # RolloutWorker handles, one per "rollout" slot, in slot order
-    pool.trainers  # TrainerRank handles, one per "train" slot, by rank (FSDP2 ranks of one trainer)
-    pool.replay    # the replay-store actor
-    metrics = pool.train_step(group_ids, step)          # fan-out: every rank, rank 0's metrics
-    change = pool.move("rollout", "train", in_flight)   # the elastic pool: a slot changes role
+    cluster = Cluster(config, model_path, run_dir)
+    cluster.rollout   # RolloutWorker handles, one per "rollout" slot, in slot order
+    cluster.trainers  # TrainerRank handles, one per "train" slot, by rank (FSDP2 ranks of one trainer)
+    cluster.replay    # the replay-store actor
+    metrics = cluster.train_step(group_ids, step)          # fan-out: every rank, rank 0's metrics
+    change = cluster.move("rollout", "train", in_flight)   # the elastic pool: a slot changes role
 
 A slot's role is a parameter (`resources.slots: [rollout, train]`), not a code path: every slot reserves
 the same resources whatever its role, so `move` can hand it from rollout to training and back at a
 version boundary (`reflow.runtime.role_change` does the work and measures its cost per part). With
 `resources.placement` each role's slots form a Ray placement group (a bundle per slot, the role's
 strategy, optionally pinned to the nodes that declare a custom resource); a slot keeps its bundle when
-its role changes. The pool also does the loops' fan-out (slime's train.py style): train steps, weights,
+its role changes. The cluster also does the loops' fan-out (slime's train.py style): train steps, weights,
 checkpoints and evaluation are one call each, whatever the number of ranks.
 """
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +29,13 @@ import ray
 
 from reflow.config import RunConfig
 from reflow.runtime.replay_service import REPLAY_THREADS, ReplayService, cycle_config
-from reflow.runtime.role_change import RoleChange, move_slot
+from reflow.runtime.role_change import RoleChange, Slot, move_slot
 from reflow.runtime.workers import GroupReport, RolloutWorker, TrainerRank
 from reflow.sandbox.reaper import mark_run, reap_run
 
 ROLE_ACTORS: dict[str, type] = {"rollout": RolloutWorker, "train": TrainerRank}
 PLACEMENT_TIMEOUT_S = 120.0
-"""How long the pool waits for its placement groups before it says which role cannot be placed."""
+"""How long the cluster waits for its placement groups before it says which role cannot be placed."""
 NODE_RESOURCE_SHARE = 0.001
 """Of a role's node resource, what one bundle reserves: enough to pin it, small enough for any count."""
 
@@ -54,16 +54,6 @@ def start_ray(config: RunConfig) -> None:
     else:
         cpus = max(len(config.resources.slots), os.cpu_count() or 1)
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
-
-
-@dataclass
-class Slot:
-    """One device slot: its role now, the actor holding it, and its bundle (placement group, index)."""
-
-    index: int
-    role: str
-    actor: Any = None
-    bundle: tuple[Any, int] | None = None
 
 
 def slot_resources(config: RunConfig) -> dict[str, float]:
@@ -105,7 +95,10 @@ def placement_groups(config: RunConfig) -> dict[str, Any]:
     return groups
 
 
-class ResourcePool:
+class Cluster:
+    """The run's slots, their actors and the replay-store actor; the loops' one handle on Ray (module
+    docstring). Not a pool: nothing is handed out and taken back, a slot only changes role."""
+
     def __init__(self, config: RunConfig, model_path: str, run_dir: str | Path) -> None:
         self.config, self.model_path = config, model_path
         self.replay = (
@@ -192,7 +185,7 @@ class ResourcePool:
         else:
             slot = self.slots[slot_or_role] if 0 <= slot_or_role < len(self.slots) else None
         if slot is None:
-            raise ValueError(f"no slot {slot_or_role!r} in the pool ({self.roles()})")
+            raise ValueError(f"no slot {slot_or_role!r} in the cluster ({self.roles()})")
         if slot.role == to_role:
             raise ValueError(f"slot {slot.index} already has role {to_role!r}")
         if sum(s.role == slot.role for s in self.slots) <= 1:

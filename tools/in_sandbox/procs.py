@@ -1,6 +1,6 @@
 """Running a tool call's process inside the sandbox: start it, feed it, collect its output, kill it.
 
-Part of the in-sandbox tool server (see tool_server.py; both are sent into the sandbox together).
+Part of the in-sandbox tool server (see server.py; both are sent into the sandbox together).
 `Calls.run` starts the process with a launcher: `spawn` uses posix_spawn (vfork and exec, several
 times cheaper than forking this interpreter to exec a program); `spawn_python` spawns a new interpreter
 that runs the code as `__main__` (never a fork of the server, whose memory holds earlier calls' data). Each call gets its own

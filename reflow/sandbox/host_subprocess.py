@@ -1,9 +1,11 @@
-"""Run a Python program in a child process with resource limits, and capture what it prints.
+"""The "subprocess" kind, which is no sandbox: run a Python program in a host child process with
+resource limits, and capture what it prints.
 
 This is a subprocess with rlimits, NOT a security sandbox. The program runs as the same user, sees the
 same filesystem and network, and can leave its process group (setsid) to outlive the time limit.
 The limits guard against accidents (infinite loops, runaway memory, floods of output), not
-against hostile code. The Docker sandbox (reflow.sandbox) is what PyCode-v0 uses for untrusted code; this is its last fallback.
+against hostile code. The Docker sandbox is what PyCode-v0 uses for untrusted code; this is its last fallback
+(`code_runner`).
 
 Each run gets a fresh temporary working directory (deleted afterwards) and a minimal environment, and
 starts a new session so that the whole process group can be killed on timeout.
