@@ -230,7 +230,8 @@ def test_a_warm_start_cut_short_by_its_time_cap_is_not_reused(small_model, tmp_p
         (row,) = [r for r in rows if r["kind"] == "warmstart"]
         return path, row
 
-    # a 1 ms cap stops SFT after its first step: flagged, and the next run trains again
+    # a 1 ms cap stops SFT after its first step (the cap is checked after each step): flagged, and
+    # the next run trains again
     path, cut = warm(0.001, "a")
     assert (cut["sft_steps"], cut["sft_max_steps"], cut["stopped_by"], cut["cached"]) == (
         1,

@@ -74,3 +74,12 @@ def test_without_patience_the_evaluations_only_record(built):
     )
     assert report.steps == 10 and report.best_step is None and not report.stopped_early
     assert sorted(seen) == [2, 4, 6, 8, 10]
+
+
+def test_a_time_cap_lets_the_first_step_through_whatever_the_set_up_took(built):
+    # The cap is checked after each step: a cap already spent when the loop starts (a loaded machine's
+    # set-up, here a cap of 0 s) still trains exactly one step, so the count does not depend on load.
+    model, tok, rows = _setup(built)
+    cfg = SFTConfig(lr=1e-2, max_steps=10, max_seconds=0.0, batch_tokens=64, log_every=0)
+    report = sft_train(model, rows, tok.pad_token_id, cfg, log=lambda m: None)
+    assert report.steps == 1

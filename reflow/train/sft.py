@@ -100,7 +100,7 @@ def sft_train(
     eval_every: int = 0,
     log: Callable[[str], None] = print,
 ) -> SFTReport:
-    """Train in place; stops at `max_steps` or `max_seconds`, whichever comes first."""
+    """Train in place; stops at `max_steps`, or after the step during which `max_seconds` ran out."""
     cfg = config or SFTConfig()
     rows = [r for r in rows if r.n_sampled > 0]
     if not rows:
@@ -139,7 +139,9 @@ def sft_train(
         if stopper is not None:
             stopper.observe(report.steps, float(point["success_rate"]))
 
-    while report.steps < cfg.max_steps and time.monotonic() - start < cfg.max_seconds:
+    # The time cap is checked after each step, so a cap always lets the first step through: how many
+    # steps a tiny cap gives does not depend on how long the set-up above took on a loaded machine.
+    while report.steps < cfg.max_steps:
         if not batches:
             batches = pack_batches(rows, cfg.batch_tokens, rng, shared_prefix_len(rows))
         batch = batches.pop()
@@ -164,6 +166,8 @@ def sft_train(
             if stopper is not None and stopper.stale >= cfg.patience:
                 report.stopped_early = report.steps < cfg.max_steps
                 break
+        if time.monotonic() - start >= cfg.max_seconds:
+            break
     if stopper is not None:
         if not report.evals or report.evals[-1]["step"] != report.steps:
             run_eval()  # the final weights compete too
