@@ -247,7 +247,6 @@ STILL_MIXED = {
     "DockerStream": "_LineReader",
     "PipeStream": "_LineReader",
     "ReplayService": "ReplayStore",
-    "SchemaTool": "Tool",
 }
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from reflow.env.tasks import Task, load_tasks
 
 if TYPE_CHECKING:
-    from reflow.env.tools import Tool
+    from reflow.env.tools import AnyTool
 
 Message = dict[str, Any]
 """One chat message in OpenAI form: {"role": ..., "content": ..., optional "tool_calls"/"tool_call_id"/"name"}."""
@@ -164,7 +164,7 @@ class Env:
         if self.tasks is not None:
             for task in self.tasks:
                 self.validate_task(task)
-        self.tools: list[Tool] = []
+        self.tools: list[AnyTool] = []
         self.task: Task | None = None
         self.spec_id: str | None = None
         self.rng = random.Random()

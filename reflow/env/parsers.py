@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from reflow.env.core import AssistantTurn, ToolCall
 
 if TYPE_CHECKING:
-    from reflow.env.tools import Tool
+    from reflow.env.tools import AnyTool
 
 ParseFn = Callable[[str, str], tuple[str, list[ToolCall]]]
 """(text, finish_reason) -> (content without the call blocks, tool calls)."""
@@ -108,7 +108,7 @@ def parse_assistant(
     *,
     parser: str = "hermes",
     finish_reason: str = "stop",
-    tools: list[Tool] | None = None,
+    tools: list[AnyTool] | None = None,
 ) -> AssistantTurn:
     """Parse raw model text into an AssistantTurn; with `tools`, also check names and arguments."""
     reasoning, rest = split_reasoning(text)
