@@ -244,7 +244,6 @@ ALLOWED_BASES = {
 STILL_MIXED = {
     "ProcessSandbox": "BaseSandbox",
     "DockerSandbox": "BaseSandbox",
-    "ReplayService": "ReplayStore",
 }
 
 
