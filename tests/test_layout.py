@@ -244,10 +244,6 @@ ALLOWED_BASES = {
 STILL_MIXED = {
     "ProcessSandbox": "BaseSandbox",
     "DockerSandbox": "BaseSandbox",
-    "DockerStream": "_LineReader",
-    "PipeStream": "_LineReader",
-    "ReplayService": "ReplayStore",
-    "SchemaTool": "Tool",
 }
 
 

@@ -29,3 +29,19 @@ def test_concurrent_plans_never_hand_out_the_same_fresh_group(tmp_path):
     handed = [g for ids in plans for g in ids]
     assert len(handed) == len(set(handed)) == 40  # each group once, none lost
     assert service.reuse_histogram() == {1: 40}
+
+
+def test_the_actor_exposes_every_store_method_its_callers_call():
+    # The actor holds its store rather than inheriting it: a `replay.<method>.remote(...)` call on a
+    # method it does not expose would fail only when a run reaches it.
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    called = {
+        name
+        for folder in ("reflow", "benchmarks", "tests")
+        for path in (root / folder).rglob("*.py")
+        for name in re.findall(r"\breplay\.(\w+)\.remote\b", path.read_text())
+    }
+    assert called and not {n for n in called if not callable(getattr(ReplayService, n, None))}

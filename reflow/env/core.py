@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from reflow.env.tasks import Task, load_tasks
-from reflow.env.tools import Tool, ToolCall
+from reflow.env.tools import AnyTool, ToolCall
 
 Message = dict[str, Any]
 """One chat message in OpenAI form: {"role": ..., "content": ..., optional "tool_calls"/"tool_call_id"/"name"}."""
@@ -126,7 +126,7 @@ class Env:
         if self.tasks is not None:
             for task in self.tasks:
                 self.validate_task(task)
-        self.tools: list[Tool] = []
+        self.tools: list[AnyTool] = []
         self.task: Task | None = None
         self.spec_id: str | None = None
         self.rng = random.Random()

@@ -17,7 +17,7 @@ from reflow.env.core import AssistantTurn
 from reflow.env.tools import ToolCall
 
 if TYPE_CHECKING:
-    from reflow.env.tools import Tool
+    from reflow.env.tools import AnyTool
 
 ParseFn = Callable[[str, str], tuple[str, list[ToolCall]]]
 """(text, finish_reason) -> (content without the call blocks, tool calls)."""
@@ -109,7 +109,7 @@ def parse_assistant(
     *,
     parser: str = "hermes",
     finish_reason: str = "stop",
-    tools: list[Tool] | None = None,
+    tools: list[AnyTool] | None = None,
 ) -> AssistantTurn:
     """Parse raw model text into an AssistantTurn; with `tools`, also check names and arguments."""
     reasoning, rest = split_reasoning(text)

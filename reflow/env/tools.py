@@ -161,26 +161,26 @@ class Tool:
             if inspect.isawaitable(out):
                 out = await out
         except ToolError as e:
-            return ToolResult(
-                call.id, call.name, f"Error: {e}", ok=False, latency_s=time.perf_counter() - start
-            )
+            return _failed(call, e, start)
         if isinstance(out, ToolResult):
             out.call_id, out.name, out.latency_s = call.id, call.name, time.perf_counter() - start
             return out
         return ToolResult(call.id, call.name, str(out), latency_s=time.perf_counter() - start)
 
 
-class SchemaTool(Tool):
+class SchemaTool:
     """A tool known here only by its JSON Schema, that runs where its env does (a hosted env server, an
     OpenEnv server, a verifiers env): names and required or extra argument keys are checked here, and
     calling it here is a bug. `forbid_extra`: None follows the schema (`additionalProperties: false`);
     True refuses extra keys whatever it says (our own server's schemas leave that key out, see
-    `Tool.schema`, although their tools forbid extras)."""
+    `Tool.schema`, although their tools forbid extras). It offers what an env's tool list is used for
+    (`name`, `description`, `schema`, `validate`, a call), not `Tool`'s function and argument model."""
 
     def __init__(
         self, name: str, description: str, parameters: dict[str, Any], *, forbid_extra: bool | None = None
     ) -> None:
-        super().__init__(name, description, _runs_remotely, None)  # type: ignore[arg-type]
+        self.name = name
+        self.description = description
         self.parameters = parameters
         self.forbid_extra = (
             parameters.get("additionalProperties") is False if forbid_extra is None else forbid_extra
@@ -198,7 +198,7 @@ class SchemaTool(Tool):
         )
 
     @property
-    def schema(self) -> dict[str, Any]:  # type: ignore[override]
+    def schema(self) -> dict[str, Any]:
         fn = {"name": self.name, "description": self.description, "parameters": self.parameters}
         return {"type": "function", "function": fn}
 
@@ -211,12 +211,27 @@ class SchemaTool(Tool):
             raise ToolError(f"bad arguments for {self.name}: {'; '.join(problems)}")
         return dict(arguments)
 
+    async def __call__(self, call: ToolCall) -> ToolResult:
+        """Agent mistakes become a failed ToolResult, as for `Tool`; a valid call here is a bug."""
+        start = time.perf_counter()
+        try:
+            if call.parse_error:
+                raise ToolError(call.parse_error)
+            self.validate(call.arguments)
+        except ToolError as e:
+            return _failed(call, e, start)
+        raise RuntimeError("a remote tool runs where its env does, through that env's step")
 
-def _runs_remotely(**kwargs: Any) -> Any:
-    raise RuntimeError("a remote tool runs where its env does, through that env's step")
+
+AnyTool = Tool | SchemaTool
+"""What an env's `tools` list holds: tools that run here and tools that run where their env does."""
 
 
-def validate_calls(calls: list[ToolCall], tools: list[Tool]) -> None:
+def _failed(call: ToolCall, error: ToolError, start: float) -> ToolResult:
+    return ToolResult(call.id, call.name, f"Error: {error}", ok=False, latency_s=time.perf_counter() - start)
+
+
+def validate_calls(calls: list[ToolCall], tools: list[AnyTool]) -> None:
     """Mark unknown tools and bad arguments on the calls (sets `parse_error`, never raises)."""
     by_name = {t.name: t for t in tools}
     for call in calls:

@@ -15,6 +15,7 @@ import os
 import select
 import socket
 import time
+from collections.abc import Callable
 from functools import cache
 from importlib import resources
 from typing import IO, Any, Protocol
@@ -64,25 +65,21 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
-class _LineReader:
-    """`read_line` over a `stdout` buffer that the transport's `_fill(deadline)` tops up."""
+def _take_line(buffer: bytearray, fill: Callable[[float], None], deadline: float) -> bytes:
+    """The first line of `buffer` (newline included), calling `fill(deadline)` until it holds one.
 
-    stdout: bytearray
-
-    def _fill(self, deadline: float) -> None:
-        raise NotImplementedError
-
-    def read_line(self, deadline: float) -> bytes:
-        while True:
-            newline = self.stdout.find(b"\n")
-            if newline >= 0:
-                line = bytes(self.stdout[: newline + 1])
-                del self.stdout[: newline + 1]
-                return line
-            self._fill(deadline)
+    Each transport keeps its own `stdout` buffer and knows how to top it up; the line splitting is
+    the same for both."""
+    while True:
+        newline = buffer.find(b"\n")
+        if newline >= 0:
+            line = bytes(buffer[: newline + 1])
+            del buffer[: newline + 1]
+            return line
+        fill(deadline)
 
 
-class DockerStream(_LineReader):
+class DockerStream:
     """A Docker attach/exec stream with stdin open and tty off: demultiplexes its frames."""
 
     def __init__(self, sock: Any) -> None:
@@ -99,6 +96,9 @@ class DockerStream(_LineReader):
             self.sock.sendall(data)
         except OSError as e:
             raise SandboxDied(f"cannot write to the sandbox: {e}") from e
+
+    def read_line(self, deadline: float) -> bytes:
+        return _take_line(self.stdout, self._fill, deadline)
 
     def close_stdin(self) -> None:
         with contextlib.suppress(OSError):
@@ -154,7 +154,7 @@ class DockerStream(_LineReader):
                 obj.close()
 
 
-class PipeStream(_LineReader):
+class PipeStream:
     """The tool server's stdin and stdout as pipes of a child process (the process sandbox)."""
 
     def __init__(self, stdin: IO[bytes], stdout: IO[bytes]) -> None:
@@ -170,6 +170,9 @@ class PipeStream(_LineReader):
                 view = view[os.write(self.stdin_fd, view) :]
         except (OSError, ValueError) as e:
             raise SandboxDied(f"cannot write to the sandbox: {e}") from e
+
+    def read_line(self, deadline: float) -> bytes:
+        return _take_line(self.stdout, self._fill, deadline)
 
     def _fill(self, deadline: float) -> None:
         remaining = deadline - time.monotonic()
