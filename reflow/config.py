@@ -55,6 +55,16 @@ class _DataclassSection(_Section):
         self._settings()
         return self
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # pydantic assigns a value before the whole-section check above runs and keeps it when the
+        # check refuses it: take the old value back, so a refused assignment changes nothing
+        old = self.__dict__.get(name)
+        try:
+            super().__setattr__(name, value)
+        except ValueError:
+            self.__dict__[name] = old
+            raise
+
     def _settings(self, **given: Any) -> Any:
         """The dataclass with this section's values (a nested section's built too) and `given` (the
         fields the run sets elsewhere)."""

@@ -137,3 +137,25 @@ def test_a_section_over_a_lower_layers_dataclass_is_checked_and_built_by_it():
     assert built == TrainerConfig(
         lr=3e-4, loss=LossConfig(kind="tis"), behaviour_is_prox=False, temperature=0.8, seed=7
     )
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "bad"),
+    [
+        ("train", "lr", -1.0),
+        ("train", "minibatches", 0),
+        ("tasks", "window", 0),
+        ("elastic", "min_train", -1),
+    ],
+)
+def test_a_refused_assignment_leaves_the_section_as_it_was(section, key, bad):
+    # a section checked by building its dataclass: pydantic assigns before the check runs, so a
+    # refused value must be taken back, or the config holds what it just refused
+    from pydantic import ValidationError
+
+    config = load_config(None, ["env.id=reflow/Calc-v0"])
+    part = getattr(config, section)
+    before = getattr(part, key)
+    with pytest.raises(ValidationError):
+        setattr(part, key, bad)
+    assert getattr(part, key) == before

@@ -102,8 +102,12 @@ class ElasticRuntime:
         decision = self.policy.decide(obs)
         event = decision_event(decision, obs)
         if not decision.moves:
+            self.actuator.in_flight = {}  # held for this boundary only: refs kept would pin their results
             return event, None
-        self.costs[decision.action] = self.actuator.move_slot(decision)
+        try:
+            self.costs[decision.action] = self.actuator.move_slot(decision)
+        finally:
+            self.actuator.in_flight = {}
         self.last_change_step = step
         change = self.actuator.changes[-1]
         event.update({k: v for k, v in change.event().items() if k != "what"})
