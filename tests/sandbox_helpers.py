@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from reflow.sandbox import BaseSandbox, SandboxLimits, make_sandbox
+from reflow.sandbox import SandboxLimits, ToolSandbox, make_sandbox
 
 # Small enough that every bomb hits a limit in well under a second.
 LIMITS = SandboxLimits(
@@ -17,11 +17,11 @@ BACKENDS = [
 ]
 
 
-def start(kind: str, limits: SandboxLimits = LIMITS) -> BaseSandbox:
+def start(kind: str, limits: SandboxLimits = LIMITS) -> ToolSandbox:
     return make_sandbox(kind, limits, pool="tests")
 
 
-def healthy(sandbox: BaseSandbox, boot: str | None = None) -> None:
+def healthy(sandbox: ToolSandbox, boot: str | None = None) -> None:
     """The sandbox answers normally, nothing is left running in it, and (given `boot`) the same server."""
     out = sandbox.run_tool_sync("run_python", {"code": "print('ok')"}, timeout_s=10)
     assert out.ok and out.stdout == "ok\n" and out.exit_code == 0, out
@@ -31,7 +31,7 @@ def healthy(sandbox: BaseSandbox, boot: str | None = None) -> None:
         assert ping["data"]["boot"] == boot, "the tool server was restarted"
 
 
-def boot_of(sandbox: BaseSandbox) -> str:
+def boot_of(sandbox: ToolSandbox) -> str:
     return sandbox.request("ping", {})["data"]["boot"]
 
 
@@ -51,9 +51,9 @@ def boot_fixture(sandbox):
     return boot_of(sandbox)
 
 
-def py(sandbox: BaseSandbox, code: str, timeout_s: float = 5.0, **args):
+def py(sandbox: ToolSandbox, code: str, timeout_s: float = 5.0, **args):
     return sandbox.run_tool_sync("run_python", {"code": code, **args}, timeout_s=timeout_s)
 
 
-def sh(sandbox: BaseSandbox, command: str, timeout_s: float = 5.0, **args):
+def sh(sandbox: ToolSandbox, command: str, timeout_s: float = 5.0, **args):
     return sandbox.run_tool_sync("run_shell", {"command": command, **args}, timeout_s=timeout_s)

@@ -181,3 +181,14 @@ def test_bad_calls_are_tool_errors(sandbox, boot):
     wrong = sandbox.run_tool_sync("run_python", {"source": "print(1)"})
     assert not wrong.ok and "bad arguments for run_python" in wrong.error
     healthy(sandbox, boot)
+
+
+def test_both_backends_sit_behind_the_one_sandbox_class(sandbox, boot):
+    # The shared behaviour (limits, serialised calls, closed and dead handling) is written once, in
+    # `ToolSandbox`; each backend supplies only the `SandboxBackend` part.
+    from reflow.sandbox import Sandbox, SandboxBackend, ToolSandbox
+
+    assert type(sandbox) is ToolSandbox and isinstance(sandbox, Sandbox)
+    assert isinstance(sandbox.backend, SandboxBackend) and sandbox.kind == sandbox.backend.kind
+    assert repr(sandbox).startswith(f"<{type(sandbox.backend).__name__} ")
+    healthy(sandbox, boot)

@@ -23,7 +23,7 @@ def sandbox():
 
 
 def test_the_engine_runs_the_container_with_every_isolation_setting(sandbox):
-    attrs = sandbox.client.api.inspect_container(sandbox.id)
+    attrs = sandbox.backend.client.api.inspect_container(sandbox.id)
     host, config = attrs["HostConfig"], attrs["Config"]
     assert host["NetworkMode"] == "none" and host["ReadonlyRootfs"] is True
     assert host["CapDrop"] == ["ALL"] and not host["CapAdd"] and not host["Privileged"]
@@ -113,7 +113,7 @@ def test_close_removes_the_container():
     sb.close_sync()
     sb.close_sync()  # twice is fine
     assert not sb.is_alive_sync()
-    assert not sb.client.containers.list(all=True, filters={"id": container_id})
+    assert not sb.backend.client.containers.list(all=True, filters={"id": container_id})
     out = sb.run_tool_sync("run_python", {"code": "print(1)"})
     assert not out.ok and "closed" in out.error
 
@@ -121,7 +121,7 @@ def test_close_removes_the_container():
 def test_a_sandbox_killed_from_outside_reports_it_and_is_not_alive():
     sb = start("docker")
     try:
-        sb.container.kill()
+        sb.backend.container.kill()
         out = sb.run_tool_sync("run_python", {"code": "print(1)"})
         assert not out.ok and "died" in out.error
         assert not sb.is_alive_sync()

@@ -59,7 +59,7 @@ def test_a_dead_sandbox_is_replaced_not_handed_out():
     pool = make_pool("docker", size=1, max_live=2)
     try:
         sb = pool.acquire()
-        sb.container.kill()
+        sb.backend.container.kill()
         pool.release(sb)  # the reset fails: it is removed and a fresh one started
         again = pool.acquire()
         assert again is not sb and again.is_alive_sync()
@@ -76,7 +76,7 @@ def test_the_live_cap_is_never_exceeded():
         a, b = pool.acquire(), pool.acquire()
         with pytest.raises(PoolExhausted):
             pool.acquire(timeout_s=0.5)
-        on_engine = [c.id for c in list_sandboxes(a.client) if c.labels.get(POOL_LABEL) == pool.name]
+        on_engine = [c.id for c in list_sandboxes(a.backend.client) if c.labels.get(POOL_LABEL) == pool.name]
         assert sorted(on_engine) == sorted([a.id, b.id])
         waiter: list = []
         thread = threading.Thread(target=lambda: waiter.append(pool.acquire(timeout_s=30)))
@@ -85,7 +85,9 @@ def test_the_live_cap_is_never_exceeded():
         thread.join(30)
         assert waiter and waiter[0] is a
         assert pool.snapshot()["live"] <= 2 and pool.stats.created == 2
-        assert len([c for c in list_sandboxes(a.client) if c.labels.get(POOL_LABEL) == pool.name]) == 2
+        assert (
+            len([c for c in list_sandboxes(a.backend.client) if c.labels.get(POOL_LABEL) == pool.name]) == 2
+        )
     finally:
         pool.close()
 
@@ -98,7 +100,7 @@ async def test_a_session_leases_per_episode_and_survives_a_dead_sandbox():
         out = await session.run_tool("run_python", {"code": "print(1)"})
         assert out.ok and session.current is not None
         first = session.current
-        first.container.kill()
+        first.backend.container.kill()
         broken = await session.run_tool("run_python", {"code": "print(2)"})
         assert not broken.ok and "replaced" in broken.error and session.current is None
         fixed = await session.run_tool("run_python", {"code": "print(3)"})
@@ -117,9 +119,9 @@ async def test_a_session_leases_per_episode_and_survives_a_dead_sandbox():
 def test_reap_leaves_live_owners_alone():
     sb = start("docker")
     try:
-        reaped = reap(sb.client)
+        reaped = reap(sb.backend.client)
         assert sb.id not in {r.id for r in reaped} and sb.is_alive_sync()
-        mine = reap(sb.client, mine=True, dry_run=True)
+        mine = reap(sb.backend.client, mine=True, dry_run=True)
         assert sb.id in {r.id for r in mine} and {r.reason for r in mine} == {"mine"}
         assert sb.is_alive_sync()  # a dry run removes nothing
     finally:
@@ -167,7 +169,7 @@ def test_after_kill_9_of_the_owner_the_reaper_removes_every_container_it_left():
 def test_a_process_sandbox_dies_with_its_owner():
     code = (
         "from reflow.sandbox import ProcessSandbox\nimport time\nsb = ProcessSandbox.create()\n"
-        "print(sb.proc.pid, flush=True)\ntime.sleep(600)"
+        "print(sb.backend.proc.pid, flush=True)\ntime.sleep(600)"
     )
     owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:

@@ -191,7 +191,7 @@ def test_the_process_sandbox_gets_a_cgroup_with_its_limits(confined):
 
 @pytest.mark.bwrap
 def test_a_closed_process_sandbox_leaves_no_cgroup(confined):
-    paths = list(confined.cgroup.paths)
+    paths = list(confined.backend.cgroup.paths)
     assert paths and all(os.path.isdir(p) for p in paths)
     confined.close_sync()
     assert not any(os.path.exists(p) for p in paths)

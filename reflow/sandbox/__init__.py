@@ -1,7 +1,9 @@
 """Tool sandboxes: Docker containers (and a weaker process sandbox) that run model-written code.
 
 - `Sandbox` (protocol): exec, run_tool, upload, download, close, is_alive; `ToolOutput` results.
-- `DockerSandbox`: a container with the in-sandbox tool server as PID 1; `ProcessSandbox`: bubblewrap.
+- `ToolSandbox`: the one sandbox class (time limits, serialised calls, the tool calls), holding a backend
+  (`SandboxBackend`): `DockerSandbox`, a container with the in-sandbox tool server as PID 1, or
+  `ProcessSandbox`, bubblewrap. Their `create()` returns the `ToolSandbox`.
 - `SandboxPool`: warm sandboxes for episodes, reset between them, with a live cap and a start rate.
 - `SandboxSession`: an env's per-episode lease; `sandbox_tools(session)`: the tools as `reflow.env.Tool`s;
   `shared_pool`, `make_sandbox`, `best_backend`.
@@ -18,12 +20,13 @@ Nothing here imports torch, transformers or ray; the Docker SDK is imported only
 from reflow.sandbox.agent_tools import describe_run, sandbox_tools
 from reflow.sandbox.base import (
     TOOLS,
-    BaseSandbox,
     Sandbox,
+    SandboxBackend,
     SandboxDied,
     SandboxError,
     SandboxLimits,
     ToolOutput,
+    ToolSandbox,
 )
 from reflow.sandbox.code_runner import (
     CodeRunner,
@@ -50,7 +53,6 @@ from reflow.sandbox.session import SandboxSession
 __all__ = [
     "DEFAULT_IMAGE",
     "TOOLS",
-    "BaseSandbox",
     "BuildError",
     "CodeRunner",
     "DockerSandbox",
@@ -60,6 +62,7 @@ __all__ = [
     "ProcessSandbox",
     "RunnerError",
     "Sandbox",
+    "SandboxBackend",
     "SandboxCodeRunner",
     "SandboxDied",
     "SandboxError",
@@ -68,6 +71,7 @@ __all__ = [
     "SandboxSession",
     "SubprocessRunner",
     "ToolOutput",
+    "ToolSandbox",
     "backend_problem",
     "best_backend",
     "build_image",

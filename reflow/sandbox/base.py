@@ -1,4 +1,4 @@
-"""The sandbox protocol, its limits and results, and the base class both backends share.
+"""The sandbox protocol, its limits and results, and `ToolSandbox`: what both backends share.
 
 A sandbox is one isolated place where model-written code runs, used by one episode at a time. Its
 async methods are the protocol: `exec` (a plain command, started fresh), `run_tool` (a call to the
@@ -6,6 +6,10 @@ tool server living in the sandbox: run_python, run_shell, read_file, write_file,
 `upload`, `download`, `close` and `is_alive`. The work happens in blocking `*_sync` methods run on a
 shared thread pool, so a sandbox is not tied to one event loop and a pool's background thread can
 reset it. Calls into one sandbox are serialised; different sandboxes run in parallel.
+
+A sandbox is a `ToolSandbox` holding a backend (`SandboxBackend`: `DockerSandbox`, `ProcessSandbox`):
+the time limits, the lock, the closed and dead handling and the tool calls are written once here; a
+backend supplies the round trip to its tool server, `exec`, whether it is still running, and teardown.
 
 Results are `ToolOutput`s. `ok` is False, with a short `error` meant for the model, when a call could not
 do what was asked: a timeout, bad arguments, a missing file, the sandbox dying, the episode's time
@@ -81,9 +85,14 @@ class ToolOutput:
 
 @runtime_checkable
 class Sandbox(Protocol):
-    """What every sandbox backend offers (all awaitable; see the module docstring)."""
+    """What callers hold: the awaitable calls (see the module docstring) and what a pool reads and sets."""
 
-    kind: str
+    limits: SandboxLimits
+    uses: int  # episodes served (a pool replaces a sandbox after max_uses)
+    closed: bool
+
+    @property
+    def kind(self) -> str: ...
 
     async def exec(
         self, cmd: str | Sequence[str], *, timeout_s: float | None = None, stdin: str = ""
@@ -101,6 +110,46 @@ class Sandbox(Protocol):
 
     async def is_alive(self) -> bool: ...
 
+    def begin_episode(self, timeout_s: float | None = None) -> None: ...
+
+    def ping_sync(self, timeout_s: float = 2.0) -> bool: ...
+
+    def reset_sync(self) -> bool: ...
+
+    def close_sync(self) -> None: ...
+
+
+@runtime_checkable
+class SandboxBackend(Protocol):
+    """What a backend (a container, a bubblewrap process) supplies to the `ToolSandbox` that holds it."""
+
+    kind: str
+    id: str
+    server_info: dict[str, Any]  # the tool server's hello reply
+
+    @property
+    def has_cgroup(self) -> bool:
+        """Whether the kernel charges the sandbox's memory and processes to its limits."""
+        ...
+
+    def request(self, op: str, args: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Send one request to the tool server and return its reply; SandboxDied if it is gone."""
+        ...
+
+    def exec_sync(
+        self, sandbox: ToolSandbox, cmd: str | Sequence[str], *, timeout_s: float | None, stdin: str
+    ) -> ToolOutput:
+        """Run a plain command; `sandbox` gives the call's timeout and the lock that serialises calls."""
+        ...
+
+    def running(self) -> bool:
+        """Whether the process or container and its tool server connection are still up (no round trip)."""
+        ...
+
+    def close(self) -> None:
+        """Tear down (kill everything inside); called once."""
+        ...
+
 
 @dataclass
 class _Episode:
@@ -110,34 +159,39 @@ class _Episode:
     started: float = field(default_factory=time.monotonic)
 
 
-class BaseSandbox:
-    """Shared behaviour: per-call and per-episode time limits, serialised calls, the async facade."""
+class ToolSandbox:
+    """A sandbox as callers use it: the behaviour both backends share over the `backend` it holds.
 
-    kind = "base"
-    has_cgroup = False  # whether the kernel charges the sandbox's memory and processes to its limits
+    It owns per-call and per-episode time limits, the lock that serialises one sandbox's calls, the
+    closed and dead handling, the tool calls and the async facade; the backend owns the process or
+    container, its tool server connection, `exec` and the teardown."""
 
-    def __init__(self, limits: SandboxLimits | None = None) -> None:
+    def __init__(self, backend: SandboxBackend, limits: SandboxLimits | None = None) -> None:
+        self.backend = backend
         self.limits = limits or SandboxLimits()
-        self.id = ""
         self.uses = 0  # episodes served (a pool replaces a sandbox after max_uses)
         self.closed = False
         self.created = time.monotonic()
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # held for one call: calls into one sandbox run one at a time
         self.episode = _Episode()
         self.begin_episode(self.limits.episode_timeout_s)
 
-    # ---- what a backend implements --------------------------------------------------------------------
-    def _request(self, op: str, args: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        """Send one request to the tool server and return its reply; SandboxDied if it is gone."""
-        raise NotImplementedError
+    @property
+    def kind(self) -> str:
+        return self.backend.kind
 
-    def exec_sync(
-        self, cmd: str | Sequence[str], *, timeout_s: float | None = None, stdin: str = ""
-    ) -> ToolOutput:
-        raise NotImplementedError
+    @property
+    def id(self) -> str:
+        return self.backend.id
 
-    def close_sync(self) -> None:
-        raise NotImplementedError
+    @property
+    def has_cgroup(self) -> bool:
+        """Whether the kernel charges the sandbox's memory and processes to its limits."""
+        return self.backend.has_cgroup
+
+    @property
+    def server_info(self) -> dict[str, Any]:
+        return self.backend.server_info
 
     # ---- episodes -------------------------------------------------------------------------------------
     def begin_episode(self, timeout_s: float | None = None) -> None:
@@ -145,7 +199,7 @@ class BaseSandbox:
         now = time.monotonic()
         self.episode = _Episode(now + timeout_s if timeout_s else None, timeout_s, 0, now)
 
-    def _call_timeout(self, timeout_s: float | None) -> tuple[float | None, str | None]:
+    def call_timeout(self, timeout_s: float | None) -> tuple[float | None, str | None]:
         """The timeout a call gets (clipped to the episode's remaining time), or an error."""
         timeout = self.limits.call_timeout_s if timeout_s is None else float(timeout_s)
         timeout = min(max(timeout, 0.01), self.limits.max_call_timeout_s)
@@ -164,7 +218,7 @@ class BaseSandbox:
         if name not in TOOLS:
             return ToolOutput.failure(name, f"unknown tool {name!r}; sandbox tools: {', '.join(TOOLS)}")
         args = dict(args or {})
-        timeout, error = self._call_timeout(args.pop("timeout_s", timeout_s))
+        timeout, error = self.call_timeout(args.pop("timeout_s", timeout_s))
         if error:
             return ToolOutput.failure(name, error, time.perf_counter() - start)
         if name in ("run_python", "run_shell"):
@@ -176,12 +230,12 @@ class BaseSandbox:
     def request(self, op: str, args: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
         """One serialised round trip to the tool server; a failed reply (never an exception) on death."""
         timeout = (timeout_s or self.limits.call_timeout_s) + REPLY_GRACE_S
-        with self._lock:
+        with self.lock:
             if self.closed:
                 return {"ok": False, "error": "the sandbox is closed"}
             self.episode.calls += 1
             try:
-                return self._request(op, args, timeout)
+                return self.backend.request(op, args, timeout)
             except SandboxDied as e:
                 return {"ok": False, "error": f"the sandbox died during the call ({e})", "dead": True}
 
@@ -224,8 +278,22 @@ class BaseSandbox:
         reply = self.request("ping", {}, max(0.01, timeout_s - REPLY_GRACE_S))
         return bool(reply.get("ok"))
 
+    def exec_sync(
+        self, cmd: str | Sequence[str], *, timeout_s: float | None = None, stdin: str = ""
+    ) -> ToolOutput:
+        return self.backend.exec_sync(self, cmd, timeout_s=timeout_s, stdin=stdin)
+
     def is_alive_sync(self) -> bool:
+        if self.closed or not self.backend.running():
+            return False
         return self.ping_sync()
+
+    def close_sync(self) -> None:
+        """Tear the sandbox down (killing everything in it). Safe to call more than once."""
+        if self.closed:
+            return
+        self.closed = True
+        self.backend.close()
 
     def reset_sync(self) -> bool:
         """Kill every process and empty the writable dirs; False when the sandbox should be replaced."""
@@ -264,4 +332,4 @@ class BaseSandbox:
         return await self._in_thread(self.is_alive_sync)
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.id[:12]}{' closed' if self.closed else ''}>"
+        return f"<{type(self.backend).__name__} {self.id[:12]}{' closed' if self.closed else ''}>"

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from reflow.sandbox.base import SandboxLimits
+from reflow.sandbox.base import SandboxLimits, ToolSandbox
 from reflow.sandbox.docker_sandbox import DockerSandbox, shared_client
 from reflow.sandbox.images import DEFAULT_IMAGE
 from reflow.sandbox.pool import SandboxPool
@@ -77,7 +77,7 @@ def _timed(call: Callable[[], Any], check: Callable[[Any], bool]) -> float:
     return elapsed
 
 
-def bench_calls(sandboxes: list[DockerSandbox], calls: int, baseline_calls: int) -> dict[str, Any]:
+def bench_calls(sandboxes: list[ToolSandbox], calls: int, baseline_calls: int) -> dict[str, Any]:
     n = len(sandboxes)
     ok = lambda out: out.ok and out.exit_code == 0  # noqa: E731
     shell = {"command": "echo hi"}

@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from reflow.sandbox.base import BaseSandbox, SandboxDied, SandboxError, SandboxLimits, ToolOutput
+from reflow.sandbox.base import SandboxDied, SandboxError, SandboxLimits, ToolOutput, ToolSandbox
 from reflow.sandbox.channel import DockerStream, ToolServerClient, server_program
 from reflow.sandbox.images import DEFAULT_IMAGE, SANDBOX_UID, docker_client
 from reflow.sandbox.reaper import owner_labels
@@ -105,18 +105,19 @@ def container_config(image: str, limits: SandboxLimits, labels: dict[str, str]) 
     }
 
 
-class DockerSandbox(BaseSandbox):
-    """One container; see the module docstring. Create with `DockerSandbox.create()` or from a pool."""
+class DockerSandbox:
+    """One container, the backend of a `ToolSandbox`; see the module docstring. Create with
+    `DockerSandbox.create()` (which returns the `ToolSandbox`) or from a pool."""
 
     kind = "docker"
     has_cgroup = True  # the container's own
 
-    def __init__(self, container: Any, client: Any, limits: SandboxLimits) -> None:
-        super().__init__(limits)
+    def __init__(self, container: Any, client: Any) -> None:
         self.container = container
         self.client = client
         self.id = container.id
         self.server: ToolServerClient | None = None
+        self.server_info: dict[str, Any] = {}
 
     @classmethod
     def create(
@@ -126,7 +127,7 @@ class DockerSandbox(BaseSandbox):
         *,
         client: Any = None,
         pool: str = "",
-    ) -> DockerSandbox:
+    ) -> ToolSandbox:
         """Start a container and its tool server (a cold start: about a `docker run`)."""
         limits = limits or SandboxLimits()
         client = client or shared_client()
@@ -135,15 +136,16 @@ class DockerSandbox(BaseSandbox):
         except Exception as e:
             hint = " (build it: reflow sandbox build)" if "No such image" in str(e) else ""
             raise SandboxError(f"cannot create a sandbox from {image}: {e}{hint}") from e
-        sandbox = cls(container, client, limits)
+        backend = cls(container, client)
+        sandbox = ToolSandbox(backend, limits)
         try:
-            sandbox._start()
+            backend._start(limits)
         except BaseException:
             sandbox.close_sync()
             raise
         return sandbox
 
-    def _start(self) -> None:
+    def _start(self, limits: SandboxLimits) -> None:
         params = {"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1}
         try:
             sock = self.client.api.attach_socket(self.id, params=params)
@@ -155,8 +157,8 @@ class DockerSandbox(BaseSandbox):
             "workdir": WORKDIR,
             "sweep": True,
             "wipe": [WORKDIR, "/tmp", "/dev/shm", "/dev/mqueue"],
-            "memory_mb": self.limits.call_memory_mb,
-            "file_limit": self.limits.file_mb << 20,
+            "memory_mb": limits.call_memory_mb,
+            "file_limit": limits.file_mb << 20,
             "env": {k: v for k, v in SERVER_ENV.items() if k != "PYTHONHASHSEED"},
         }
         try:
@@ -167,23 +169,23 @@ class DockerSandbox(BaseSandbox):
             raise SandboxError(f"the tool server refused to start: {reply.get('error')}")
         self.server_info = reply.get("data") or {}
 
-    def _request(self, op: str, args: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    def request(self, op: str, args: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         if self.server is None:
             raise SandboxDied("not started")
         return self.server.request(op, args, timeout_s)
 
     def exec_sync(
-        self, cmd: str | Sequence[str], *, timeout_s: float | None = None, stdin: str = ""
+        self, sandbox: ToolSandbox, cmd: str | Sequence[str], *, timeout_s: float | None, stdin: str
     ) -> ToolOutput:
         """A plain `docker exec` as the sandbox user, killed after the timeout (`timeout -s KILL`)."""
         start = time.perf_counter()
-        timeout, error = self._call_timeout(timeout_s)
+        timeout, error = sandbox.call_timeout(timeout_s)
         if error:
             return ToolOutput.failure("exec", error)
         argv = ["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         argv = ["timeout", "-s", "KILL", f"{timeout:.3f}", *argv]
         api = self.client.api
-        with self._lock:
+        with sandbox.lock:
             try:
                 exec_id = api.exec_create(
                     self.id, argv, stdin=bool(stdin), user=f"{SANDBOX_UID}:{SANDBOX_UID}", workdir=WORKDIR
@@ -194,7 +196,7 @@ class DockerSandbox(BaseSandbox):
                         stream.send(stdin.encode())
                     stream.close_stdin()
                     deadline = time.monotonic() + timeout + 5.0
-                    out, err, truncated = stream.read_all(deadline, self.limits.output_limit)
+                    out, err, truncated = stream.read_all(deadline, sandbox.limits.output_limit)
                 finally:
                     stream.close()
                 exit_code = api.exec_inspect(exec_id).get("ExitCode")
@@ -218,16 +220,11 @@ class DockerSandbox(BaseSandbox):
             error=f"timed out after {timeout:g}s" if timed_out else None,
         )
 
-    def is_alive_sync(self) -> bool:
-        if self.closed or self.server is None or self.server.broken:
-            return False
-        return self.ping_sync()
+    def running(self) -> bool:
+        return self.server is not None and not self.server.broken
 
-    def close_sync(self) -> None:
-        """Remove the container (killing everything in it). Safe to call more than once."""
-        if self.closed:
-            return
-        self.closed = True
+    def close(self) -> None:
+        """Remove the container (killing everything in it)."""
         if self.server is not None:
             self.server.close()
         try:

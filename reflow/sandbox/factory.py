@@ -12,7 +12,7 @@ import threading
 from functools import cache
 from typing import Any
 
-from reflow.sandbox.base import BaseSandbox, SandboxError, SandboxLimits
+from reflow.sandbox.base import SandboxError, SandboxLimits, ToolSandbox
 from reflow.sandbox.images import DEFAULT_IMAGE
 from reflow.sandbox.pool import SandboxPool
 
@@ -77,7 +77,7 @@ def make_sandbox(
     *,
     image: str = DEFAULT_IMAGE,
     pool: str = "",
-) -> BaseSandbox:
+) -> ToolSandbox:
     """Start one sandbox of `kind` ("docker", "process" or "auto")."""
     kind = resolve_kind(kind)
     if kind == "docker":
@@ -116,7 +116,7 @@ def shared_pool(
         if pool is None or pool.closed or pool.owner_pid != os.getpid():
             name = f"{kind}-{len(_pools)}"
 
-            def factory() -> BaseSandbox:
+            def factory() -> ToolSandbox:
                 return make_sandbox(kind, limits, image=image, pool=name)
 
             if kind == "docker":

@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from reflow.sandbox.base import _EXECUTOR, BaseSandbox, SandboxError
+from reflow.sandbox.base import _EXECUTOR, Sandbox, SandboxError
 
 
 class PoolExhausted(SandboxError):
@@ -79,7 +79,7 @@ class SandboxPool:
 
     def __init__(
         self,
-        factory: Callable[[], BaseSandbox],
+        factory: Callable[[], Sandbox],
         *,
         size: int = 2,
         max_live: int = 32,
@@ -93,9 +93,9 @@ class SandboxPool:
         self.factory = factory
         self.size, self.max_live, self.max_uses, self.name = size, max_live, max_uses, name
         self.bucket = TokenBucket(create_rate, create_burst)
-        self.idle: deque[BaseSandbox] = deque()
-        self.dirty: deque[BaseSandbox] = deque()
-        self.leased: set[BaseSandbox] = set()
+        self.idle: deque[Sandbox] = deque()
+        self.dirty: deque[Sandbox] = deque()
+        self.leased: set[Sandbox] = set()
         self.starting = 0
         self.resetting = 0
         self.removing = 0
@@ -139,7 +139,7 @@ class SandboxPool:
         timeout_s: float = 120.0,
         episode_timeout_s: float | None = None,
         abandoned: threading.Event | None = None,
-    ) -> BaseSandbox:
+    ) -> Sandbox:
         """A ready sandbox for one episode (blocks up to `timeout_s`, or until `abandoned` is set)."""
         start = time.perf_counter()
         deadline = time.monotonic() + timeout_s
@@ -157,7 +157,7 @@ class SandboxPool:
                     if self.closed:
                         raise SandboxError(f"pool {self.name} is closed")
                 if self.idle:
-                    sandbox: BaseSandbox | None = self.idle.popleft()
+                    sandbox: Sandbox | None = self.idle.popleft()
                     self.leased.add(sandbox)
                 else:
                     sandbox = None
@@ -197,7 +197,7 @@ class SandboxPool:
         del self.stats.acquire_s[:-10000]
         return sandbox
 
-    def release(self, sandbox: BaseSandbox, *, discard: bool = False) -> None:
+    def release(self, sandbox: Sandbox, *, discard: bool = False) -> None:
         """Give a sandbox back after its episode; it is reset (or replaced) in the background."""
         with self.cond:
             if sandbox not in self.leased:
@@ -211,7 +211,7 @@ class SandboxPool:
                 self.dirty.append(sandbox)
             self.cond.notify_all()
 
-    async def aacquire(self, timeout_s: float = 120.0, episode_timeout_s: float | None = None) -> BaseSandbox:
+    async def aacquire(self, timeout_s: float = 120.0, episode_timeout_s: float | None = None) -> Sandbox:
         """`acquire` in a thread, bounded by the caller: when the awaiting task is cancelled (a server's
         step deadline) the thread stops waiting, and a sandbox it got all the same goes straight back."""
         abandoned = threading.Event()
@@ -225,12 +225,12 @@ class SandboxPool:
             future.add_done_callback(self._give_back_abandoned)
             raise
 
-    def _give_back_abandoned(self, future: concurrent.futures.Future[BaseSandbox]) -> None:
+    def _give_back_abandoned(self, future: concurrent.futures.Future[Sandbox]) -> None:
         if not future.cancelled() and future.exception() is None:
             self.release(future.result())
 
     # ---- making and removing --------------------------------------------------------------------------
-    def _create(self, deadline: float | None = None) -> BaseSandbox:
+    def _create(self, deadline: float | None = None) -> Sandbox:
         if not self.bucket.take(deadline):
             raise PoolExhausted("the sandbox creation rate limit left no time to start one")
         try:
@@ -242,7 +242,7 @@ class SandboxPool:
         self.stats.created += 1
         return sandbox
 
-    def _remove(self, sandbox: BaseSandbox) -> None:
+    def _remove(self, sandbox: Sandbox) -> None:
         try:
             sandbox.close_sync()
         except Exception as e:
@@ -253,7 +253,7 @@ class SandboxPool:
                 self.stats.destroyed += 1
                 self.cond.notify_all()
 
-    def _spawn_remove(self, sandbox: BaseSandbox) -> None:
+    def _spawn_remove(self, sandbox: Sandbox) -> None:
         """Remove in a thread of its own (no executor: this also runs at interpreter exit).
 
         The caller has already counted it in `removing`."""
@@ -271,7 +271,7 @@ class SandboxPool:
                 if self.closed:
                     return
                 if self.dirty:
-                    sandbox: BaseSandbox | None = self.dirty.popleft()
+                    sandbox: Sandbox | None = self.dirty.popleft()
                     self.resetting += 1
                 else:
                     sandbox = None

@@ -35,7 +35,7 @@ from functools import cache
 from typing import Any
 
 from reflow.sandbox import seccomp
-from reflow.sandbox.base import BaseSandbox, SandboxDied, SandboxError, SandboxLimits, ToolOutput
+from reflow.sandbox.base import SandboxDied, SandboxError, SandboxLimits, ToolOutput, ToolSandbox
 from reflow.sandbox.cgroup import SandboxCgroup, cgroup_problem
 from reflow.sandbox.channel import PipeStream, ToolServerClient, server_program
 
@@ -193,28 +193,25 @@ def bwrap_problem() -> str | None:
     return None
 
 
-class ProcessSandbox(BaseSandbox):
-    """A bubblewrap sandbox running the tool server; see the module docstring for what it lacks."""
+class ProcessSandbox:
+    """The bubblewrap backend of a `ToolSandbox`; see the module docstring for what it lacks."""
 
     kind = "process"
 
     def __init__(
-        self,
-        proc: subprocess.Popen[bytes],
-        limits: SandboxLimits,
-        stderr: Any,
-        cgroup: SandboxCgroup | None = None,
+        self, proc: subprocess.Popen[bytes], stderr: Any, cgroup: SandboxCgroup | None = None
     ) -> None:
-        super().__init__(limits)
         self.proc = proc
         self.cgroup = cgroup
         self.id = f"bwrap-{proc.pid}"
         self._stderr = stderr
         assert proc.stdin is not None and proc.stdout is not None
         self.server = ToolServerClient(PipeStream(proc.stdin, proc.stdout), self.id)
+        self.server_info: dict[str, Any] = {}
 
     @classmethod
-    def create(cls, limits: SandboxLimits | None = None, *, pool: str = "") -> ProcessSandbox:
+    def create(cls, limits: SandboxLimits | None = None, *, pool: str = "") -> ToolSandbox:
+        """Start bwrap and its tool server; the sandbox callers use holds this backend."""
         limits = limits or SandboxLimits()
         if shutil.which("bwrap") is None:
             raise SandboxError("bubblewrap (bwrap) is not installed")
@@ -234,7 +231,8 @@ class ProcessSandbox(BaseSandbox):
             if group is not None:
                 group.remove()
             raise
-        sandbox = cls(proc, limits, stderr, group)
+        backend = cls(proc, stderr, group)
+        sandbox = ToolSandbox(backend, limits)
         hello = {
             "workdir": WORKDIR,
             "sweep": True,
@@ -247,7 +245,7 @@ class ProcessSandbox(BaseSandbox):
             "env": {k: v for k, v in ENV.items() if k != "PYTHONHASHSEED"},
         }
         try:
-            reply = sandbox.server.request("hello", hello, START_TIMEOUT_S)
+            reply = backend.server.request("hello", hello, START_TIMEOUT_S)
             if not reply.get("ok"):
                 raise SandboxError(f"the tool server refused to start: {reply.get('error')}")
         except (SandboxDied, SandboxError) as e:
@@ -255,7 +253,7 @@ class ProcessSandbox(BaseSandbox):
             detail = stderr.read().decode("utf-8", "replace").strip()[-500:]
             sandbox.close_sync()
             raise SandboxError(f"the process sandbox did not start: {e} {detail}".strip()) from e
-        sandbox.server_info = {**(reply.get("data") or {}), "cgroup": group is not None}
+        backend.server_info = {**(reply.get("data") or {}), "cgroup": group is not None}
         return sandbox
 
     @property
@@ -263,27 +261,22 @@ class ProcessSandbox(BaseSandbox):
         """Whether the kernel charges this sandbox's memory (tmpfs included) and processes to a limit."""
         return self.cgroup is not None
 
-    def _request(self, op: str, args: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    def request(self, op: str, args: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         return self.server.request(op, args, timeout_s)
 
     def exec_sync(
-        self, cmd: str | Sequence[str], *, timeout_s: float | None = None, stdin: str = ""
+        self, sandbox: ToolSandbox, cmd: str | Sequence[str], *, timeout_s: float | None, stdin: str
     ) -> ToolOutput:
         """Runs through the tool server (a bwrap namespace cannot be entered afresh like a container)."""
         command = cmd if isinstance(cmd, str) else " ".join(_quote(a) for a in cmd)
-        out = self.run_tool_sync("run_shell", {"command": command, "stdin": stdin}, timeout_s=timeout_s)
+        out = sandbox.run_tool_sync("run_shell", {"command": command, "stdin": stdin}, timeout_s=timeout_s)
         out.tool = "exec"
         return out
 
-    def is_alive_sync(self) -> bool:
-        if self.closed or self.proc.poll() is not None or self.server.broken:
-            return False
-        return self.ping_sync()
+    def running(self) -> bool:
+        return self.proc.poll() is None and not self.server.broken
 
-    def close_sync(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
+    def close(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)  # bwrap and, through --die-with-parent, the rest
         self.server.close()

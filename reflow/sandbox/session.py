@@ -13,11 +13,11 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from reflow.sandbox.base import BaseSandbox, ToolOutput
+from reflow.sandbox.base import Sandbox, ToolOutput
 from reflow.sandbox.pool import SandboxPool
 
 
-def _give_back(pool: SandboxPool, holder: list[BaseSandbox]) -> None:
+def _give_back(pool: SandboxPool, holder: list[Sandbox]) -> None:
     while holder:
         pool.release(holder.pop())
 
@@ -26,14 +26,14 @@ class SandboxSession:
     def __init__(self, pool: SandboxPool, *, episode_timeout_s: float | None = None) -> None:
         self.pool = pool
         self.episode_timeout_s = episode_timeout_s
-        self._holder: list[BaseSandbox] = []  # shared with the finalizer, which must not hold self
+        self._holder: list[Sandbox] = []  # shared with the finalizer, which must not hold self
         self._finalizer = weakref.finalize(self, _give_back, pool, self._holder)
 
     @property
-    def current(self) -> BaseSandbox | None:
+    def current(self) -> Sandbox | None:
         return self._holder[0] if self._holder else None
 
-    async def sandbox(self) -> BaseSandbox:
+    async def sandbox(self) -> Sandbox:
         """The episode's sandbox, acquired on first use."""
         if not self._holder:
             self._holder.append(await self.pool.aacquire(episode_timeout_s=self.episode_timeout_s))
