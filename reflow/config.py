@@ -14,7 +14,11 @@ there), the dataclass's own checks validate them, and the section adds only the 
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import itertools
+import textwrap
 from pathlib import Path
 from typing import Any, ClassVar, Literal, get_type_hints
 
@@ -80,13 +84,14 @@ def _fields_of(
     config_class: type, *, base: type[_DataclassSection] = _DataclassSection, exclude: tuple[str, ...] = ()
 ) -> Any:
     """A section model with the fields of `config_class` (but `exclude`): their types, defaults and docs
-    (`metadata["doc"]`) read from the dataclass. A section subclasses it to add the run's own keys."""
+    (`metadata["doc"]`, or the string under the field) read from the dataclass. A section subclasses it to add the run's own keys."""
     hints = get_type_hints(config_class)
+    docstrings = _attribute_docstrings(config_class)
     fields: dict[str, Any] = {}
     for f in dataclasses.fields(config_class):
         if f.name in exclude:
             continue
-        doc = f.metadata.get("doc")
+        doc = f.metadata.get("doc") or docstrings.get(f.name)
         if f.default is dataclasses.MISSING:
             fields[f.name] = (hints[f.name], Field(default_factory=f.default_factory, description=doc))
         else:
@@ -94,6 +99,21 @@ def _fields_of(
     section = create_model(f"{config_class.__name__}Fields", __base__=base, **fields)
     section.settings_class = config_class
     return section
+
+
+def _attribute_docstrings(config_class: type) -> dict[str, str]:
+    """The string literal under each annotated field of a class body (the dataclasses of
+    `reflow.train.settings` document their fields that way)."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(config_class))).body[0].body
+    return {
+        field.target.id: " ".join(doc.value.value.split())
+        for field, doc in itertools.pairwise(body)
+        if isinstance(field, ast.AnnAssign)
+        and isinstance(field.target, ast.Name)
+        and isinstance(doc, ast.Expr)
+        and isinstance(doc.value, ast.Constant)
+        and isinstance(doc.value.value, str)
+    }
 
 
 class EnvSection(_Section):
@@ -179,7 +199,10 @@ class TrainSection(_fields_of(TrainerConfig, exclude=("loss", "behaviour_is_prox
     seconds: float | None = Field(
         None, gt=0, description="wall-clock budget of the RL phase: no step starts that would end past it"
     )
-    advantage_scale: Literal["std", "none"] = "std"
+    advantage_scale: Literal["std", "none"] = Field(
+        "std",
+        description="std: a group's advantages divided by its reward std (GRPO); none: not scaled (Dr. GRPO)",
+    )
     loss: LossSection = Field(default_factory=LossSection, description="the policy loss")
     engine_correction: bool = Field(
         False,
@@ -187,8 +210,8 @@ class TrainSection(_fields_of(TrainerConfig, exclude=("loss", "behaviour_is_prox
         "capped or truncated by train.loss) to correct the engine-trainer mismatch, instead of behaviour "
         "= prox (weight 1); async and reflow always use the engine's log-probs",
     )
-    checkpoint_every: int = Field(5, gt=0)
-    keep_checkpoints: int = Field(2, gt=0)
+    checkpoint_every: int = Field(5, gt=0, description="a checkpoint every this many steps (and at the end)")
+    keep_checkpoints: int = Field(2, gt=0, description="the newest this many checkpoints are kept")
 
     def trainer_config(self, *, behaviour_is_prox: bool, temperature: float, seed: int) -> TrainerConfig:
         """The trainer's settings: this section's, and those the run decides elsewhere."""

@@ -159,3 +159,21 @@ def test_a_refused_assignment_leaves_the_section_as_it_was(section, key, bad):
     with pytest.raises(ValidationError):
         setattr(part, key, bad)
     assert getattr(part, key) == before
+
+
+def test_every_setting_has_a_description():
+    # a section built from a lower layer's dataclass takes each field's doc from there (its metadata,
+    # or the docstring under the field), so `reflow agent-train --help`-style listings keep them
+    from reflow.config import RunConfig
+
+    def missing(model: type, prefix: str) -> list[str]:
+        out = []
+        for name, info in model.model_fields.items():
+            sub = info.annotation if isinstance(info.annotation, type) else None
+            if sub is not None and hasattr(sub, "model_fields"):
+                out += missing(sub, f"{prefix}{name}.")
+            elif not info.description and prefix in ("train.", "train.loss."):
+                out.append(prefix + name)
+        return out
+
+    assert missing(RunConfig, "") == []

@@ -12,6 +12,8 @@ from typing import Literal
 @dataclass
 class LossConfig:
     kind: Literal["decoupled_ppo", "tis"] = "decoupled_ppo"
+    """Both clip u = pi_theta / pi_prox and weight a token by w = pi_prox / pi_behav: decoupled_ppo
+    drops tokens with w above `behav_weight_cap`, tis (truncated IS) uses min(w, `tis_cap`)."""
     clip_eps: float = 0.2
     """Lower clip: u is clipped at 1 - clip_eps."""
     clip_eps_high: float = 0.28
@@ -46,7 +48,9 @@ class LossConfig:
 @dataclass
 class TrainerConfig:
     lr: float = 1e-4
+    """AdamW's learning rate."""
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay."""
     grad_clip: float = 1.0
     """The largest gradient norm; larger ones are scaled down to it."""
     micro_batch_tokens: int = 16384
