@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -381,6 +382,11 @@ def test_validate_passes_within_tolerance_and_fails_outside(tmp_path, capsys):
     assert "1 of 2 targets within 15%" in capsys.readouterr().out
     assert main(["simulate", "--validate", "--folder", str(folder), "--require", "1"]) == 0
     assert main(["simulate", "--validate", "--folder", str(folder), "--require", "2"]) == 1
+    capsys.readouterr()
+    assert main(["simulate", "--validate", "--folder", str(folder), "--json"]) == 1
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["name"], r["passed"]) for r in rows] == [("a", True), ("b", False)]
+    assert rows[0]["simulated"] == simulated  # full precision, not the table's rounding
 
 
 def test_lengths_from_a_replay_store_or_an_export(tmp_path):
