@@ -53,9 +53,17 @@ def test_an_interrupted_run_removes_its_workers_sandboxes(tmp_path, sig):
         f"out_dir={tmp_path}",
         "run_name=r",
     ]
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
+    # A process started in the background by a shell without job control (`make test &`, a CI
+    # runner's script) inherits SIGINT ignored, and so would the driver: Python then never turns
+    # Ctrl-C into KeyboardInterrupt. The driver must start as a terminal's would, with SIGINT at its
+    # default (an ignored signal stays ignored across exec; a handled one is reset to the default).
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+    finally:
+        signal.signal(signal.SIGINT, before)
     try:
         deadline = time.monotonic() + 240
         while not containers(client, pool) and time.monotonic() < deadline and proc.poll() is None:
