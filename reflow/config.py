@@ -47,6 +47,18 @@ from reflow.train.settings import LossConfig, TrainerConfig
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # pydantic assigns a value before a whole-section check (`model_validator(mode="after")`)
+        # runs and keeps it when the check refuses it: take the old value back, so a refused
+        # assignment changes nothing
+        had, old = name in self.__dict__, self.__dict__.get(name)
+        try:
+            super().__setattr__(name, value)
+        except ValueError:
+            if had:
+                self.__dict__[name] = old
+            raise
+
 
 class _DataclassSection(_Section):
     """A section over a lower layer's config dataclass (`settings_class`), made by `_fields_of`: every
@@ -58,16 +70,6 @@ class _DataclassSection(_Section):
     def _settings_accept(self) -> _DataclassSection:
         self._settings()
         return self
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # pydantic assigns a value before the whole-section check above runs and keeps it when the
-        # check refuses it: take the old value back, so a refused assignment changes nothing
-        old = self.__dict__.get(name)
-        try:
-            super().__setattr__(name, value)
-        except ValueError:
-            self.__dict__[name] = old
-            raise
 
     def _settings(self, **given: Any) -> Any:
         """The dataclass with this section's values (a nested section's built too) and `given` (the

@@ -146,11 +146,12 @@ def test_a_section_over_a_lower_layers_dataclass_is_checked_and_built_by_it():
         ("train", "minibatches", 0),
         ("tasks", "window", 0),
         ("elastic", "min_train", -1),
+        ("eval", "samples", 4),  # refused by the section's own check: samples > 1 needs a temperature
     ],
 )
 def test_a_refused_assignment_leaves_the_section_as_it_was(section, key, bad):
-    # a section checked by building its dataclass: pydantic assigns before the check runs, so a
-    # refused value must be taken back, or the config holds what it just refused
+    # a value refused by a whole-section check (a dataclass built from the section, or the section's
+    # own): pydantic assigns before that check runs, so the refused value must be taken back
     from pydantic import ValidationError
 
     config = load_config(None, ["env.id=reflow/Calc-v0"])
