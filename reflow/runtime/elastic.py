@@ -83,7 +83,7 @@ class ElasticRuntime:
         group ids registered for it). Returns the metrics event and the applied change (None on
         hold); after a change the driver re-indexes its per-worker state (`cluster.rollout` changed),
         drops the drained refs from its own table and counts `change.drained` as arrived."""
-        self.actuator.in_flight = dict(in_flight or {})
+        in_flight = dict(in_flight or {})
         obs = observe(
             interval,
             step=step,
@@ -94,7 +94,7 @@ class ElasticRuntime:
             batch_size=self.batch_size,
             replay_share=replay_share,
             fresh_waiting=fresh_waiting,
-            in_flight=len(self.actuator.in_flight),
+            in_flight=len(in_flight),
             to_rollout_cost=self.costs["to_rollout"],
             to_train_cost=self.costs["to_train"],
             unit=self.unit,
@@ -102,9 +102,9 @@ class ElasticRuntime:
         decision = self.policy.decide(obs)
         event = decision_event(decision, obs)
         if not decision.moves:
-            self.actuator.in_flight = {}  # held for this boundary only: refs kept would pin their results
             return event, None
-        try:
+        self.actuator.in_flight = in_flight  # what a drain waits for, held for this move only: refs
+        try:  # kept past it would pin their results in the object store
             self.costs[decision.action] = self.actuator.move_slot(decision)
         finally:
             self.actuator.in_flight = {}
