@@ -38,6 +38,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from reflow.records import Segment
+from reflow.replay import UseStats
+from reflow.train.group_stats import GroupSums, row_sums
 from reflow.train.logprobs import logprobs_from_logits, pad_segments, token_logprobs
 from reflow.train.losses import engine_gap_stats, loss_denominator, policy_loss
 from reflow.train.prefix import shared_prefix_len, suffix_logits
@@ -119,6 +121,10 @@ class PolicyTrainer:
         self.step = 0
         self.version = 0
         self.rng = random.Random(self.cfg.seed + self.rank)
+        self.group_stats: dict[str, UseStats] = {}
+        """What the last `train_step` measured on each of this rank's groups (`reflow.train.group_stats`),
+        from the updates whose prox log-probs are exact (all of them by default; with loglinear prox,
+        those of the first mini-batch)."""
 
     def _micro_batches(self, rows: Sequence[TrainRow]) -> list[list[TrainRow]]:
         by_segment = {id(r.segment): r for r in rows}
@@ -167,6 +173,7 @@ class PolicyTrainer:
         optimizer state, step and version stay) and returns those neutral values, `updates` 0."""
         start = time.monotonic()
         rows = [r for r in rows if r.segment.n_sampled > 0]
+        self.group_stats = {}
         if not self._all_reduce(float(len(rows))):
             # No rank has a sampled token: an update would be all zero gradients, yet AdamW's momentum
             # and weight decay would still move the weights. Nothing is trained and the version stays.
@@ -184,6 +191,7 @@ class PolicyTrainer:
         w_max, grad_norms = 0.0, []
         gap: dict[str, float] = dict.fromkeys(("engine_kl_sum", "w_sum", "w_sq_sum", "n"), 0.0)
         gap_max = 0.0
+        groups = GroupSums()
         self.model.train()
         for epoch in range(self.cfg.epochs):
             for k, micro_batches in enumerate(plan):
@@ -207,6 +215,8 @@ class PolicyTrainer:
                         for key in gap:
                             gap[key] += float(g[key])
                         gap_max = max(gap_max, float(g["engine_gap_max"]))
+                        sums = row_sums(prox_logp, t["behav"], t["adv"], t["mask"], self.cfg.loss)
+                        groups.add([r.group_id for r in batch], sums)
                     behav = prox_logp if self.cfg.behaviour_is_prox else t["behav"]
                     loss, stats = policy_loss(
                         logp, prox_logp, behav, t["adv"], t["mask"], self.cfg.loss, t["replayed"], denominator
@@ -233,6 +243,7 @@ class PolicyTrainer:
         self.model.eval()
         self.step = step if step is not None else self.step + 1
         self.version += 1
+        self.group_stats = groups.stats()
         total = {k: self._all_reduce(v) for k, v in totals.items()}
         n_valid, n_mask = max(total.pop("n_valid"), 1.0), max(total.pop("n_mask"), 1.0)
         metrics = {key: total[key] / n_valid for key in _VALID_STATS}
