@@ -12,7 +12,8 @@ import torch
 from test_trainer import _capped_rows, _capture_grads, _config, _model, _rows
 
 from reflow.train.batch import shard_groups
-from reflow.train.trainer import PolicyTrainer, init_distributed, shutdown_distributed
+from reflow.train.distributed import init_distributed, shutdown_distributed
+from reflow.train.trainer import PolicyTrainer
 
 
 def main(

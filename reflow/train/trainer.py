@@ -14,8 +14,9 @@ step also reports how far the trainer's pre-update log-probs are from the engine
 estimate of KL(engine || prox), and `engine_gap_max`) and the effective sample size of the weights
 between them (`is_ess`): in sync mode that is the engine-trainer mismatch alone.
 
-Several ranks: `init_distributed` starts a gloo (CPU) or NCCL process group and the model is sharded
-with FSDP2 (`fully_shard`, one unit per decoder layer); each rank trains on its share of the rows.
+Several ranks: `reflow.train.distributed.init_distributed` starts a gloo (CPU) or NCCL process group and
+the model is sharded with FSDP2 (`fully_shard`, one unit per decoder layer); each rank trains on its
+share of the rows.
 
 Normalisation: before a mini-batch's first micro-batch the trainer adds up, over every rank, the loss's
 denominator (its loss-mask tokens, or its rows for `seq_mean_token_mean`), and each micro-batch's loss
@@ -30,7 +31,6 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from reflow.records import Segment
+from reflow.train.distributed import shard_model
 from reflow.train.logprobs import logprobs_from_logits, pad_segments, token_logprobs
 from reflow.train.losses import engine_gap_stats, loss_denominator, policy_loss
 from reflow.train.prefix import shared_prefix_len, suffix_logits
@@ -360,44 +361,3 @@ def loglinear_prox(
     lag = (prox_version - versions).clamp(min=0).to(theta_logp.dtype)
     alpha = lag / (lag + 1.0)
     return behav_logp + alpha * (theta_logp - behav_logp)
-
-
-def shard_model(model: torch.nn.Module) -> None:
-    """FSDP2: each decoder layer is one unit, then the root (embeddings, norm, head)."""
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-
-
-def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, backend: str) -> None:
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=rank,
-            world_size=world_size,
-        )
-
-
-LEAVE_TIMEOUT_S = 120.0
-"""How long a rank leaving its group waits for the others at the barrier (gloo) before it fails."""
-
-
-def shutdown_distributed() -> None:
-    """Leave the process group at the end of this rank's part in it; every rank calls it (a collective).
-
-    A barrier first: once it returns every rank has finished every collective, so none closes its
-    connections under a peer still working on one. Then the group is destroyed. Under FSDP2 that does
-    not stop gloo's threads: DTensor's caches keep the device mesh, and through it the group, alive
-    until the process ends. A process that ends after this should therefore end without the
-    interpreter's finalization (`os._exit`, as `ray.kill` ends the actors): a C++ thread that takes the
-    GIL while CPython finalizes is ended from inside C++ code, which aborts the process ("terminate
-    called without an active exception")."""
-    if dist.is_initialized():
-        if dist.get_backend() == "gloo":  # bounded: a dead peer fails the barrier, not 30 minutes later
-            dist.monitored_barrier(timeout=timedelta(seconds=LEAVE_TIMEOUT_S))
-        else:
-            dist.barrier()
-        dist.destroy_process_group()
