@@ -1,5 +1,5 @@
-"""The trainer ranks' process group: joining it, sharding the model over it with FSDP2, and leaving
-it."""
+"""The trainer ranks' process group: joining it, sharding the model over it with FSDP2, the
+collectives the trainer needs beyond FSDP's own, and leaving it."""
 
 from __future__ import annotations
 
@@ -7,6 +7,22 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def all_gather(values: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-D `values`, concatenated in rank order (ranks may hold different counts); `values`
+    itself outside a group of several ranks. A collective: every rank calls it."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    world = dist.get_world_size()
+    values = values.detach().cpu()
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(counts, torch.tensor([values.numel()], dtype=torch.int64))
+    longest = int(max(counts).item())
+    parts = [torch.zeros(longest, dtype=values.dtype) for _ in range(world)]
+    dist.all_gather(parts, F.pad(values, (0, longest - values.numel())))
+    return torch.cat([part[: int(n.item())] for part, n in zip(parts, counts, strict=True)])
 
 
 def shard_model(model: torch.nn.Module) -> None:
