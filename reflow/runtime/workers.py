@@ -265,7 +265,8 @@ class TrainerRank:
         from transformers.utils import logging as hf_logging
 
         from reflow.models import load_model
-        from reflow.train.trainer import PolicyTrainer, init_distributed
+        from reflow.train.distributed import init_distributed
+        from reflow.train.trainer import PolicyTrainer
 
         hf_logging.disable_progress_bar()  # a progress bar per checkpoint save is noise in the run log
         config = self.config
@@ -298,7 +299,7 @@ class TrainerRank:
         slot goes to rollout). `shutdown_distributed`: a barrier, so no rank tears its connections down
         under a peer still in a collective, then the group goes. The actor process itself is ended by
         `ray.kill`, without the interpreter's finalization that gloo's threads do not survive."""
-        from reflow.train.trainer import shutdown_distributed
+        from reflow.train.distributed import shutdown_distributed
 
         shutdown_distributed()
 
