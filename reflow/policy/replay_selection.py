@@ -58,13 +58,14 @@ class ReplaySelection:
 
     def admissible(self, c: Candidate) -> bool:
         """Worth replaying at all: some reward spread and a last use whose importance weights stayed
-        healthy (NaN counts as unhealthy)."""
-        if not c.reward_spread > 0:
-            return False
+        healthy (a NaN statistic fails its check: comparisons with NaN are False)."""
         cfg = self.cfg
-        checks = ((c.ess, lambda v: v >= cfg.ess_min), (c.kl_behav, lambda v: v <= cfg.kl_max))
-        checks += ((c.clip_frac, lambda v: v <= cfg.clip_frac_max),)
-        return all(value is None or ok(value) for value, ok in checks)
+        return (
+            c.reward_spread > 0
+            and (c.ess is None or c.ess >= cfg.ess_min)
+            and (c.kl_behav is None or c.kl_behav <= cfg.kl_max)
+            and (c.clip_frac is None or c.clip_frac <= cfg.clip_frac_max)
+        )
 
     def score(self, c: Candidate, current_version: int) -> float:
         """A candidate's score (0 when not admissible)."""

@@ -106,10 +106,11 @@ def _fresh_with_spread(store: ReplayStore, want: int) -> tuple[list[GroupInfo], 
         limit *= 4
 
 
-SCORED_CANDIDATES = 4096
+SCORED_CANDIDATES = 1024
 """The "scored" selection scores at most this many of the window's groups (those with spread, newest
-first): the bound on a plan's work however large the window grows. The age decay makes a group
-beyond the newest few thousand a poor pick anyway."""
+first): the bound on a plan's work however large the window grows (p50 27 ms with a window of
+10,000 beside two CPU-bound processes, `benchmarks/bench_replay.py --plan-only`). The default age
+decay halves a score per version, so a group behind a thousand newer ones is a poor pick anyway."""
 
 
 def _replay_candidates(store: ReplayStore, n: int, current_version: int, cfg: CycleConfig) -> list[GroupInfo]:
