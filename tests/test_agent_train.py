@@ -68,6 +68,10 @@ def test_sync_steps_on_ray_update_weights_versions_and_store(tmp_path, ray_env, 
     summary = train(config)
     run_dir = tmp_path / "sync"
     assert summary["steps"] == 3
+    # the run's Ray workers are not deprioritised (Ray's default nice 15 starved them beside any job)
+    import ray
+
+    assert ray.get(ray.remote(lambda: os.nice(0)).remote()) == 0
 
     steps = _steps(run_dir)
     assert [s["step"] for s in steps] == [1, 2, 3]
