@@ -69,3 +69,45 @@ def test_a_train_step_reports_each_groups_statistics_on_its_own_tokens():
     assert far.ess < near.ess and far.kl_behav > near.kl_behav + 0.5
     assert 0.0 <= near.clip_frac <= far.clip_frac <= 1.0
     assert trainer.train_step([]) and trainer.group_stats == {}  # an empty step measures nothing
+
+
+def test_a_weight_past_float_range_reads_as_the_worst_case_not_as_unmeasured(tmp_path):
+    from reflow.replay import ReplayStore
+
+    prox = torch.tensor([[0.0, 0.0]])
+    engine = torch.tensor([[0.0, -float("inf")]])  # w = inf on the second token
+    groups = GroupSums()
+    groups.add(["g"], row_sums(prox, engine, torch.tensor([1.0]), torch.ones(1, 2), LossConfig()))
+    use = groups.stats()["g"]
+    assert use.ess == 0.0 and use.kl_behav == math.inf  # not NaN: the store would keep NULL
+    with ReplayStore(tmp_path / "r.sqlite", "r") as store:
+        from replay_helpers import make_group
+
+        store.add_group(*make_group("g", [0.0, 1.0], version=0, n_turns=1, tokens=2))
+        store.set_use_stats({"g": use}, step=1)
+        assert store.fresh()[0].last_use.ess == 0.0 and store.fresh()[0].last_use.kl_behav == math.inf
+
+
+def test_groups_trained_without_exact_prox_are_reported_unmeasured():
+    """loglinear prox with two mini-batches: the second mini-batch's prox is approximate, so its
+    groups come back as None (the store then forgets their previous use's figures)."""
+    model = small_qwen3(vocab_size=64, seed=0, tie_word_embeddings=True)
+    cfg = TrainerConfig(bf16=False, minibatches=2, prox_logp="loglinear")
+    trainer = PolicyTrainer(model, 0, cfg)
+    rows = [r for i in range(4) for r in _rows(f"g{i}", -4.16, n=1, seed=i)]
+    trainer.train_step(rows)
+    stats = trainer.group_stats
+    assert set(stats) == {"g0", "g1", "g2", "g3"}
+    assert sum(s is None for s in stats.values()) == 2  # one row per group, two rows per mini-batch
+
+
+def test_an_unmeasured_use_clears_the_previous_figures(tmp_path):
+    from replay_helpers import make_group
+
+    from reflow.replay import ReplayStore, UseStats
+
+    with ReplayStore(tmp_path / "r.sqlite", "r") as store:
+        store.add_group(*make_group("g", [0.0, 1.0], version=0, n_turns=1, tokens=2))
+        store.set_use_stats({"g": UseStats(0.9, 0.0, 0.0)}, step=1)
+        store.set_use_stats({"g": None}, step=2)
+        assert store.fresh()[0].last_use is None

@@ -156,3 +156,26 @@ def test_sync_mode_spends_no_extra_forward_and_drops_nothing(monkeypatch):
     stale = PolicyTrainer(_model(), 0, TrainerConfig(lr=1e-2, bf16=False, behaviour_is_prox=False, loss=m2))
     stale.train_step(_rows())  # one update: the prox forward is spent for the threshold
     assert calls == [1]
+
+
+def test_a_mini_batch_the_rule_drops_entirely_takes_no_optimizer_step():
+    """Every token far off (tau below the smallest (log w)^2): no gradient, and no AdamW step either,
+    whose weight decay would still move the weights."""
+    config = TrainerConfig(
+        lr=1e-2, weight_decay=0.1, bf16=False, behaviour_is_prox=False, loss=LossConfig(m2_tau=1e-3)
+    )
+    trainer = PolicyTrainer(_model(), 0, config)
+    before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    m = trainer.train_step([_row(-9.0, a, seed) for seed, a in enumerate([1.0, -1.0])])
+    assert m["m2_masked_frac"] == 1.0 and m["grad_skipped"] == 1.0
+    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+
+
+def test_truncation_counts_only_the_tokens_the_rule_kept():
+    # one row, two tokens: w = e^2 (over the TIS cap 2, and (log w)^2 = 4 over the threshold) and w = 1
+    logp = torch.zeros(1, 2, requires_grad=True)
+    prox, behav = torch.zeros(1, 2), torch.tensor([[-2.0, 0.0]])
+    _, stats = policy_loss(
+        logp, prox, behav, torch.ones(1), torch.ones(1, 2), LossConfig(kind="tis"), m2_threshold=1.0
+    )
+    assert stats["m2_masked_frac"].item() == 0.5 and stats["trunc_frac"].item() == 0.0

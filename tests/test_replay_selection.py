@@ -108,10 +108,14 @@ def test_the_store_keeps_pass_rates_and_the_last_uses_statistics(store):
     add(store, "most", [1.0, 1.0, 1.0, 0.0], 3)
     assert [g.pass_rate for g in store.fresh()] == [0.5, 0.75]
     assert all(g.last_use is None for g in store.fresh())
-    store.set_use_stats({"half": UseStats(0.9, 0.1, 0.01), "unknown": UseStats(1.0, 0.0, 0.0)})
-    store.set_use_stats({"half": UseStats(0.7, 0.2, 0.02)})  # the last use replaces the one before
+    store.set_use_stats({"half": UseStats(0.9, 0.1, 0.01), "unknown": UseStats(1.0, 0.0, 0.0)}, step=1)
+    store.set_use_stats({"half": UseStats(0.7, 0.2, 0.02)}, step=2)  # the last use replaces the one before
     half, most = store.groups(["half", "most"])
     assert half.last_use == UseStats(0.7, 0.2, 0.02) and most.last_use is None
+    store.set_use_stats({"most": UseStats(0.8, 0.0, 0.0)}, step=1)
+    store.rollback_consumption(after_step=1)  # a resume from step 1's checkpoint: step 2 never happened
+    half, most = store.groups(["half", "most"])
+    assert half.last_use is None and most.last_use == UseStats(0.8, 0.0, 0.0)
 
 
 def test_the_planner_replays_by_score_and_skips_a_group_the_trainer_found_off_policy(store):
@@ -123,7 +127,7 @@ def test_the_planner_replays_by_score_and_skips_a_group_the_trainer_found_off_po
     ]:
         add(store, gid, rewards, version)
     store.mark_consumed(["old", "easy", "best", "drifted"], 1)
-    store.set_use_stats({"drifted": UseStats(0.2, 0.0, 0.0), "best": UseStats(1.0, 0.0, 0.0)})
+    store.set_use_stats({"drifted": UseStats(0.2, 0.0, 0.0), "best": UseStats(1.0, 0.0, 0.0)}, step=1)
     cfg = CycleConfig(selection="scored", tau_max=2, max_reuse=2, share_max=1.0)
     plan = plan_batch(store, want=4, current_version=5, share=1.0, cfg=cfg)
     # best 1.0; easy 0.5 + 2 * 0.1875 = 0.875; old 0.25 (age 2); drifted gated (ESS 0.2 < 0.5)
@@ -144,7 +148,7 @@ def test_a_store_of_schema_3_opens_with_pass_rates_from_its_episodes(tmp_path):
     with ReplayStore(path, run="r") as s:
         add(s, "g", [1.0, 1.0, 0.0, 0.0], 2)
     with closing(sqlite3.connect(path)) as db:  # what schema 3 wrote: no selection columns
-        for column in ("pass_rate", "last_ess", "last_clip_frac", "last_kl_behav"):
+        for column in ("pass_rate", "last_ess", "last_clip_frac", "last_kl_behav", "last_use_step"):
             db.execute(f"ALTER TABLE groups DROP COLUMN {column}")
         db.execute("UPDATE episodes SET status = 'infra_error' WHERE idx = 3")  # masked: not counted
         db.execute("PRAGMA user_version=3")
@@ -152,7 +156,23 @@ def test_a_store_of_schema_3_opens_with_pass_rates_from_its_episodes(tmp_path):
     with ReplayStore(path, run="r") as s:
         (g,) = s.fresh()
         assert g.pass_rate == pytest.approx(2 / 3) and g.last_use is None
-        s.set_use_stats({"g": UseStats(0.9, 0.0, 0.01)})
+        s.set_use_stats({"g": UseStats(0.9, 0.0, 0.01)}, step=1)
         assert s.fresh()[0].last_use == UseStats(0.9, 0.0, 0.01)
     with closing(sqlite3.connect(path)) as db:
         assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+
+
+def test_a_run_saved_with_prefer_spread_still_loads():
+    from reflow.config import load_config, renamed_replay_keys
+
+    assert (
+        load_config(None, ["env.id=reflow/Calc-v0", "replay.prefer_spread=false"]).replay.selection
+        == "newest"
+    )
+    assert (
+        load_config(None, ["env.id=reflow/Calc-v0", "replay.prefer_spread=true"]).replay.selection == "spread"
+    )
+    assert renamed_replay_keys({"prefer_spread": False, "tau_max": 3}) == {
+        "selection": "newest",
+        "tau_max": 3,
+    }

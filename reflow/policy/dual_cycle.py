@@ -56,8 +56,9 @@ class CycleConfig:
     age_decay: float = 0.5
     """"scored": a candidate's score is multiplied by this per policy version of age."""
     clip_frac_max: float = 0.5
-    """"scored": a group whose last use had more than this share of its tokens past PPO's clip is not
-    replayed (ess_min and kl_max gate each group's last use the same way)."""
+    """"scored": a group whose last use found more than this share of its tokens' weights pi_prox /
+    pi_behav past PPO's clip range is not replayed (ess_min and kl_max gate each group's last use the
+    same way)."""
 
     def __post_init__(self) -> None:
         if self.tau_max < 0:

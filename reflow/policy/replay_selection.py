@@ -15,8 +15,8 @@ highest first, ties to the newest:
   importance weights at its last use (1 when none was written back). A group whose last use showed
   the data already off the policy is not replayed at all: ESS under `ess_min`, behaviour KL over
   `kl_max` (the same bounds the replay share's health check applies to a whole batch), or a clip
-  fraction over `clip_frac_max` (most of its tokens already past PPO's clip: a use moves them no
-  further).
+  fraction over `clip_frac_max` (most of its tokens' weights already past PPO's clip range: the
+  policy has moved a trust region's width from it).
 
 Observations in (`Candidate`), decisions out (ids in replay order): no store, no clock, no I/O. The
 planner (`reflow.replay.planning`) builds the candidates from the store's index columns.

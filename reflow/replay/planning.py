@@ -11,8 +11,9 @@ accepted for admission, so rollout generates replacements for them, just as the 
 
 Plain functions over a store (`ReplayStore`, or the simulator's `SimStore` with the same queries),
 no threads and no clocks: the caller (the training loop) decides when to call them, and tests can
-drive them step by step. The replay candidates' ranking is the store's (its index columns), which is
-why planning lives here and not with the pure policies in `reflow.policy`.
+drive them step by step. The replay candidates come from the store's ranked query on its index columns
+("spread" and "newest" are that order; "scored" re-ranks the newest of them with the pure policy
+`reflow.policy.replay_selection`), which is why planning lives here and not in `reflow.policy`.
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ CREATE TABLE IF NOT EXISTS groups (
     last_ess REAL,  -- the importance-weight statistics of its last use, written back by the trainer
     last_clip_frac REAL,
     last_kl_behav REAL,
+    last_use_step INTEGER,  -- the step that measured them (a rollback past it forgets them)
     UNIQUE (run, group_id)
 );
 CREATE TABLE IF NOT EXISTS episodes (
@@ -206,9 +207,11 @@ def _migrate_to_4(db: sqlite3.Connection) -> None:
     have = {row[1] for row in db.execute("PRAGMA table_info(groups)")}
     if "pass_rate" not in have:
         db.execute("ALTER TABLE groups ADD COLUMN pass_rate REAL NOT NULL DEFAULT 0")
-    for column in ("last_ess", "last_clip_frac", "last_kl_behav"):
+    for column, kind in [("last_ess", "REAL"), ("last_clip_frac", "REAL"), ("last_kl_behav", "REAL")]:
         if column not in have:
-            db.execute(f"ALTER TABLE groups ADD COLUMN {column} REAL")
+            db.execute(f"ALTER TABLE groups ADD COLUMN {column} {kind}")
+    if "last_use_step" not in have:
+        db.execute("ALTER TABLE groups ADD COLUMN last_use_step INTEGER")
     masked = ", ".join("?" * len(MASKED_STATUSES))
     db.execute(
         "UPDATE groups SET pass_rate = coalesce((SELECT AVG(e.success) FROM episodes e "

@@ -104,8 +104,10 @@ class UseStats:
     ess: float
     """Normalised effective sample size of w: (sum w)^2 / (n sum w^2), 1 when every weight is equal."""
     clip_frac: float
-    """The share of tokens whose w is already past PPO's clip in its advantage's direction (w > 1 +
-    clip_eps_high with A > 0, w < 1 - clip_eps with A < 0): a use that moved them no further."""
+    """The share of tokens whose w is already past PPO's clip range in its advantage's direction (w >
+    1 + clip_eps_high with A > 0, w < 1 - clip_eps with A < 0): how much of the group the policy has
+    moved past a trust region's width since it was sampled (with `loss.replay_clip` such tokens of a
+    replayed row give no gradient; without it they still do)."""
     kl_behav: float
     """k3 estimate of KL(behaviour || prox): mean(w - 1 - log w)."""
 
@@ -268,17 +270,20 @@ class ReplayStore:
                 except sqlite3.IntegrityError:
                     raise ValueError(f"group {gid!r} was already consumed by step {step}") from None
 
-    def set_use_stats(self, stats: dict[str, UseStats]) -> None:
-        """Write back what a trainer step measured on each group it trained (`UseStats`), replacing the
-        previous use's; unknown ids are ignored (a group of another run sharing the batch cannot be).
-        Not durable on its own: a crash loses at most the last step's statistics, which only rank
-        replay candidates."""
-        rows = [(s.ess, s.clip_frac, s.kl_behav, self.run, gid) for gid, s in stats.items()]
+    def set_use_stats(self, stats: dict[str, UseStats | None], step: int) -> None:
+        """Write back what trainer step `step` measured on each group it trained (`UseStats`; None: it
+        trained the group without measuring it), replacing the previous use's; unknown ids are
+        ignored. A rollback past `step` forgets them (`rollback_consumption`). Not durable on its
+        own: a crash loses at most the last step's statistics, which only rank replay candidates."""
+        rows = [
+            (*((s.ess, s.clip_frac, s.kl_behav) if s else (None, None, None)), step, self.run, gid)
+            for gid, s in stats.items()
+        ]
         if not rows:
             return
         with self._write(durable=False) as db:
             db.executemany(
-                "UPDATE groups SET last_ess = ?, last_clip_frac = ?, last_kl_behav = ? "
+                "UPDATE groups SET last_ess = ?, last_clip_frac = ?, last_kl_behav = ?, last_use_step = ? "
                 "WHERE run = ? AND group_id = ?",
                 rows,
             )
@@ -286,7 +291,8 @@ class ReplayStore:
     def rollback_consumption(self, after_step: int) -> int:
         """Undo the consumptions by steps after `after_step` (a run resumed from that step's checkpoint,
         0: from the start; the restored weights never saw those steps), recounting consumed and
-        last_step from the log in the same transaction. Returns how many were undone. Zero-spread
+        last_step from the log in the same transaction, and forgets the use statistics those steps
+        wrote back. Returns how many were undone. Zero-spread
         groups those steps retired are fresh again (the next plan retires them again); admission's
         `accepted_groups` counts groups stored, not consumed, and does not change."""
         if after_step < 0:
@@ -296,6 +302,12 @@ class ReplayStore:
                 "DELETE FROM consumptions WHERE run = ? AND step > ?", (self.run, after_step)
             ).rowcount
             db.execute(RECOUNT, (self.run,))
+            # what those steps measured came from weights the resumed run never had
+            db.execute(
+                "UPDATE groups SET last_ess = NULL, last_clip_frac = NULL, last_kl_behav = NULL, "
+                "last_use_step = NULL WHERE run = ? AND last_use_step > ?",
+                (self.run, after_step),
+            )
         return undone
 
     def consumptions(self) -> list[tuple[str, int, float]]:

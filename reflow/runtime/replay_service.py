@@ -81,8 +81,8 @@ class ReplayService:
     def mark_consumed(self, group_ids: list[str], step: int) -> None:
         self.store.mark_consumed(group_ids, step)
 
-    def set_use_stats(self, stats: dict[str, UseStats]) -> None:
-        self.store.set_use_stats(stats)
+    def set_use_stats(self, stats: dict[str, UseStats | None], step: int) -> None:
+        self.store.set_use_stats(stats, step)
 
     def rollback_consumption(self, after_step: int) -> int:
         return self.store.rollback_consumption(after_step)

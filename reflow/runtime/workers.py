@@ -347,7 +347,7 @@ class TrainerRank:
         groups = ray.get(self.replay.groups.remote(mine)) if mine else []
         metrics = self.trainer.train_step(rows_from_groups(groups, step), step=step)
         if self.trainer.group_stats:  # each rank writes back its own groups' (a group is on one rank)
-            ray.get(self.replay.set_use_stats.remote(self.trainer.group_stats))
+            ray.get(self.replay.set_use_stats.remote(self.trainer.group_stats, step))
         return metrics
 
     def state_dict(self) -> dict[str, Any] | None:

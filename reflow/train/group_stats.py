@@ -11,6 +11,7 @@ micro-batches and hands `UseStats` per group to the replay store, which keeps th
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -32,10 +33,11 @@ def row_sums(
     """Per row ([B] each, over its mask tokens): sum w, sum w^2, tokens past the clip, sum of
     w - 1 - log w, and the token count. `advantages` is [B] or [B, T]."""
     mask = mask.bool()
-    zero = torch.zeros((), dtype=torch.float32, device=prox_logp.device)
-    log_w = torch.where(mask, prox_logp.detach().float() - engine_logp.detach().float(), zero)
+    # float64: a far-off token's w overflows float32 (log w > 88), and the group's ESS would read NaN
+    zero = torch.zeros((), dtype=torch.float64, device=prox_logp.device)
+    log_w = torch.where(mask, prox_logp.detach().double() - engine_logp.detach().double(), zero)
     w = torch.where(mask, log_w.exp(), zero)
-    adv = advantages.detach().float()
+    adv = advantages.detach().double()
     if adv.dim() == 1:
         adv = adv[:, None]
     adv = adv.expand_as(w)
@@ -65,10 +67,17 @@ class GroupSums:
                     acc[j] += column[i]
 
     def stats(self) -> dict[str, UseStats]:
-        """`UseStats` of each group with at least one mask token."""
+        """`UseStats` of each group with at least one mask token. A weight past float range (an engine
+        log-prob of -inf) reads as the worst case, ESS 0 and KL inf, never NaN: the store keeps NaN
+        as NULL, which would read as "not measured" and let the group through the gates."""
         out = {}
         for gid, (w_sum, w_sq_sum, clipped, kl_sum, n) in self._sums.items():
             if n > 0:
                 ess = w_sum * w_sum / (n * w_sq_sum) if w_sq_sum > 0 else 1.0
-                out[gid] = UseStats(ess=ess, clip_frac=clipped / n, kl_behav=kl_sum / n)
+                kl = kl_sum / n
+                out[gid] = UseStats(
+                    ess=ess if math.isfinite(ess) else 0.0,
+                    clip_frac=clipped / n,
+                    kl_behav=kl if math.isfinite(kl) else math.inf,
+                )
         return out

@@ -162,7 +162,7 @@ def policy_loss(
     else:
         capped = torch.zeros_like(mask)
         valid = mask & ~m2_dropped
-        truncated = mask & (w_raw > cfg.tis_cap)
+        truncated = valid & (w_raw > cfg.tis_cap)
         w = torch.where(valid, w_raw.clamp(max=cfg.tis_cap), zero)
 
     u = torch.where(valid, logp - prox_logp, zero).exp()

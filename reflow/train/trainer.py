@@ -133,10 +133,10 @@ class PolicyTrainer:
         self.step = 0
         self.version = 0
         self.rng = random.Random(self.cfg.seed + self.rank)
-        self.group_stats: dict[str, UseStats] = {}
+        self.group_stats: dict[str, UseStats | None] = {}
         """What the last `train_step` measured on each of this rank's groups (`reflow.train.group_stats`),
         from the updates whose prox log-probs are exact (all of them by default; with loglinear prox,
-        those of the first mini-batch)."""
+        those of the first mini-batch: the others' groups get None)."""
 
     def _micro_batches(self, rows: Sequence[TrainRow]) -> list[list[TrainRow]]:
         by_segment = {id(r.segment): r for r in rows}
@@ -261,6 +261,8 @@ class PolicyTrainer:
                     w_max = max(w_max, _sum_stat(stats, "w_max"))
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
                 grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+                if thresholds[k] == -math.inf:  # M2 dropped every token: no gradient, so no step
+                    grad_norm = math.nan  # (AdamW's momentum and decay would still move the weights)
                 if math.isfinite(grad_norm):
                     self.optimizer.step()
                     first = False
@@ -269,7 +271,9 @@ class PolicyTrainer:
         self.model.eval()
         self.step = step if step is not None else self.step + 1
         self.version += 1
-        self.group_stats = groups.stats()
+        # A group trained by an update without exact prox (loglinear, later mini-batches) gets None:
+        # the store forgets its previous use's figures rather than keep stale ones.
+        self.group_stats = {**dict.fromkeys(r.group_id for r in rows if r.group_id), **groups.stats()}
         total = {k: self._all_reduce(v) for k, v in totals.items()}
         n_valid, n_mask = max(total.pop("n_valid"), 1.0), max(total.pop("n_mask"), 1.0)
         metrics = {key: total[key] / n_valid for key in _VALID_STATS}
