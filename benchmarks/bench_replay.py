@@ -18,8 +18,10 @@ Prints p50 / p99 latency in milliseconds per operation and the bytes the ranks r
 Then the planner at scale (`--plan-window N`, 0 skips it): a store with N groups in the replay window
 (consumed once, with reward spread, within tau_max) and fewer fresh groups than a batch, the state of
 every loop wake-up while the trainer waits; `plan_and_consume` with a replay share is timed over
-repeated wake-ups. Planning reads index columns only, so its time grows with the window's index scan,
-not with the records.
+repeated wake-ups, once per replay selection (`--selections`, default spread and scored: "scored"
+reads up to 1024 candidates' index columns and scores them in Python, the others take the store's
+first n). Planning reads index columns only, so its time grows with the window's index scan, not with
+the records. `--plan-only` skips the actor part.
 """
 
 from __future__ import annotations
@@ -130,9 +132,9 @@ def run(args: argparse.Namespace, shard: bool, threads: int, db: Path) -> dict[s
     return out
 
 
-def plan_scale(window: int, batch: int, wakeups: int, folder: Path) -> list[float]:
+def plan_scale(window: int, batch: int, wakeups: int, folder: Path, selection: str = "spread") -> list[float]:
     """Seconds of each `plan_and_consume` wake-up with `window` groups in the replay window."""
-    cfg = CycleConfig(tau_max=4, max_reuse=4, share_max=0.5)
+    cfg = CycleConfig(tau_max=4, max_reuse=4, share_max=0.5, selection=selection)
     service = ReplayService(str(folder / "plan.sqlite"), "bench", cfg)
     rng = random.Random(0)
     ids = []
@@ -163,7 +165,24 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="groups per train step")
     p.add_argument("--tokens", type=int, default=64, help="sampled tokens per turn")
     p.add_argument("--plan-window", type=int, default=10_000, help="groups in the replay window (0: skip)")
+    p.add_argument(
+        "--selections", default="spread,scored", help="replay selections the planner is timed with"
+    )
+    p.add_argument("--plan-only", action="store_true", help="time the planner only, not the replay actor")
     args = p.parse_args()
+    if not args.plan_only:
+        actor_figures(args)
+    for selection in args.selections.split(",") if args.plan_window else ():
+        with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as tmp:
+            t = plan_scale(args.plan_window, args.batch, 50, Path(tmp), selection)
+        print(
+            f"planning ({selection}), {args.plan_window} groups in the replay window, batch {args.batch}, "
+            f"50 wake-ups: p50 {_ms(t, 0.5):.1f} ms, p99 {_ms(t, 0.99):.1f} ms"
+        )
+
+
+def actor_figures(args: argparse.Namespace) -> None:
+    """The replay actor's latencies under 8 writers and the ranks' reads (the table)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(
         address="local", num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False
@@ -187,13 +206,6 @@ def main() -> None:
             f"| {_ms(r['read'], 0.5):.1f} / {_ms(r['read'], 0.99):.1f} | {per_step:.2f} |"
         )
     ray.shutdown()
-    if args.plan_window:
-        with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as tmp:
-            t = plan_scale(args.plan_window, args.batch, 50, Path(tmp))
-        print(
-            f"planning, {args.plan_window} groups in the replay window, batch {args.batch}, 50 wake-ups: "
-            f"p50 {_ms(t, 0.5):.1f} ms, p99 {_ms(t, 0.99):.1f} ms"
-        )
 
 
 if __name__ == "__main__":

@@ -269,6 +269,17 @@ class EvalSection(_Section):
         return self
 
 
+def renamed_replay_keys(replay: dict[str, Any]) -> dict[str, Any]:
+    """`replay:` of a run saved before `selection` existed: `prefer_spread` true is "spread", false
+    "newest", so its config.yaml still resumes (and `reflow simulate --from-run` reads it)."""
+    if "prefer_spread" not in replay:
+        return replay
+    replay = dict(replay)
+    spread = replay.pop("prefer_spread")
+    replay.setdefault("selection", "spread" if spread in (True, "true", "True") else "newest")
+    return replay
+
+
 class ReplaySection(_fields_of(CycleConfig)):
     """`replay:`, the staleness bound of the decoupled modes (`eta`, admission control) and the dual
     replay cycle of `reflow` mode (the fields of `reflow.policy.dual_cycle.CycleConfig`)."""
@@ -276,6 +287,11 @@ class ReplaySection(_fields_of(CycleConfig)):
     eta: int = Field(
         1, description="async/reflow: rollouts run at most eta policy versions ahead of the engines"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        return renamed_replay_keys(data) if isinstance(data, dict) else data
 
     @field_validator("eta")
     @classmethod

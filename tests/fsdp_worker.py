@@ -2,7 +2,8 @@
 
     fsdp_worker.py RANK WORLD PORT OUT [N_ROWS MICRO_BATCH_TOKENS [AGG ROWS]]
 
-ROWS is "plain" (`_rows`, sync mode) or "capped" (`_capped_rows`, off-policy, some tokens capped).
+ROWS is "plain" (`_rows`, sync mode), "capped" (`_capped_rows`, off-policy, some tokens capped) or
+"m2" (`_capped_rows(moderate=True)` with the M2 trust region).
 """
 
 import os
@@ -12,7 +13,8 @@ import torch
 from test_trainer import _capped_rows, _capture_grads, _config, _model, _rows
 
 from reflow.train.batch import shard_groups
-from reflow.train.trainer import PolicyTrainer, init_distributed, shutdown_distributed
+from reflow.train.distributed import init_distributed, shutdown_distributed
+from reflow.train.trainer import PolicyTrainer
 
 
 def main(
@@ -28,7 +30,10 @@ def main(
     torch.set_num_threads(1)
     init_distributed(rank, world, "127.0.0.1", port, "gloo")
     trainer = PolicyTrainer(_model(), 0, _config(micro_batch_tokens, agg, kind))
-    rows = _capped_rows(n_rows) if kind == "capped" else _rows(n_rows + n_rows % 2)[:n_rows]
+    if kind in ("capped", "m2"):
+        rows = _capped_rows(n_rows, moderate=kind == "m2")
+    else:
+        rows = _rows(n_rows + n_rows % 2)[:n_rows]
     rows = [rows[i] for i in shard_groups([len(r.segment.token_ids) for r in rows], world)[rank]]
     grads = _capture_grads(trainer)  # the reduced gradient, unsharded (a collective on every rank)
     metrics = trainer.train_step(rows)

@@ -68,6 +68,10 @@ def test_sync_steps_on_ray_update_weights_versions_and_store(tmp_path, ray_env, 
     summary = train(config)
     run_dir = tmp_path / "sync"
     assert summary["steps"] == 3
+    # the run's Ray workers are not deprioritised (Ray's default nice 15 starved them beside any job)
+    import ray
+
+    assert ray.get(ray.remote(lambda: os.nice(0)).remote()) == 0
 
     steps = _steps(run_dir)
     assert [s["step"] for s in steps] == [1, 2, 3]
@@ -193,6 +197,13 @@ def test_async_and_reflow_modes_on_ray(tmp_path, ray_env, mode):
 
     with ReplayStore(run_dir / "replay.sqlite", mode) as store:
         hist = store.reuse_histogram(spread=True)
+        # the trainer rank wrote back what it measured on every group it trained
+        trained = [
+            g for g in store.replayable(current_version=99, tau_max=99, max_reuse=99) if g.reward_spread
+        ]
+        assert trained and all(g.last_use is not None for g in trained)
+        for use in (g.last_use for g in trained):
+            assert 0.0 < use.ess <= 1.0 + 1e-9 and 0.0 <= use.clip_frac <= 1.0 and use.kl_behav >= -1e-9
         for group in [
             store.group(g.group_id) for g in store.replayable(current_version=99, tau_max=99, max_reuse=99)
         ]:

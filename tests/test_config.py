@@ -80,6 +80,11 @@ def test_an_env_id_of_a_namespace_is_accepted():
             "train.loss.nope: unknown key",
         ),
         (["env.id=reflow/Calc-v0", "train.loss.clip_eps=1.5"], "clip_eps"),
+        (["env.id=reflow/Calc-v0", "train.loss.m2_tau=-0.04"], "m2_tau must be finite and >= 0"),
+        (
+            ["env.id=reflow/Calc-v0", "train.prox_logp=loglinear", "train.loss.m2_tau=0.04"],
+            "m2_tau > 0 needs the exact prox log-probs",
+        ),
         (["env.id=reflow/Calc-v0", "mode=sync", "elastic.enabled=true"], "elastic.enabled applies to the"),
         (["env.id=reflow/Calc-v0", "mode=sync", "tail.enabled=true"], "tail.enabled applies to the"),
     ],
@@ -132,10 +137,11 @@ def test_a_section_over_a_lower_layers_dataclass_is_checked_and_built_by_it():
             load_config(None, ["env.id=reflow/Calc-v0", override])
     with pytest.raises(ValueError, match="grad_clip must be > 0"):
         TrainerConfig(grad_clip=0.0)
-    config = load_config(None, ["env.id=reflow/Calc-v0", "train.lr=3e-4", "train.loss.kind=tis", "seed=7"])
+    overrides = ["train.lr=3e-4", "train.loss.kind=tis", "train.loss.m2_tau=0.04", "seed=7"]
+    config = load_config(None, ["env.id=reflow/Calc-v0", *overrides])
     built = config.train.trainer_config(behaviour_is_prox=False, temperature=0.8, seed=config.seed)
     assert built == TrainerConfig(
-        lr=3e-4, loss=LossConfig(kind="tis"), behaviour_is_prox=False, temperature=0.8, seed=7
+        lr=3e-4, loss=LossConfig(kind="tis", m2_tau=0.04), behaviour_is_prox=False, temperature=0.8, seed=7
     )
 
 

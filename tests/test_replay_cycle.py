@@ -274,7 +274,7 @@ def test_replay_prefers_larger_spread_then_newest(store):
         add(store, gid, version=version, spread=spread)
     consume(store, plan_batch(store, want=4, current_version=2, share=0.0, cfg=CycleConfig()), step=1)
     ranked = CycleConfig(share_max=1.0, tau_max=5, max_reuse=5)
-    newest = CycleConfig(share_max=1.0, tau_max=5, max_reuse=5, prefer_spread=False)
+    newest = CycleConfig(share_max=1.0, tau_max=5, max_reuse=5, selection="newest")
     assert ids(plan_batch(store, want=4, current_version=2, share=1.0, cfg=ranked).replay) == [
         "d",
         "a",

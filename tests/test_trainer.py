@@ -37,32 +37,41 @@ def _weights(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _capped_rows(n: int = 8, seed: int = 4) -> list[TrainRow]:
+def _capped_rows(n: int = 8, seed: int = 4, moderate: bool = False) -> list[TrainRow]:
     """Rows of varied lengths whose recorded log-probs put some tokens over the decoupled-PPO cap
     (-30: w = pi_prox / pi_behav ~ e^26) and the others near w = 1 (-4.2 ~ log 1/64, the tiny model's);
-    the last row is capped everywhere; every third row is a replay."""
+    the last row is capped everywhere; every third row is a replay. `moderate`: some tokens also get
+    weights under the cap but far from 1 (-3 and -5.5: |log w| ~ 1.2 and 1.3), for the M2 threshold."""
     rng = random.Random(seed)
+    choices = [-30.0, -4.2, -4.2, -3.0, -5.5] if moderate else [-30.0, -4.2, -4.2]
     rows = []
     for i in range(n):
         seg = Segment(0)
         seg.extend_prompt([rng.randrange(1, 64) for _ in range(rng.randint(2, 8))])
         k = rng.randint(1, 9)
-        logprobs = [-30.0 if i == n - 1 else rng.choice([-30.0, -4.2, -4.2]) for _ in range(k)]
+        logprobs = [-30.0 if i == n - 1 else rng.choice(choices) for _ in range(k)]
         seg.extend_sampled([rng.randrange(1, 64) for _ in range(k)], logprobs, [0] * k)
         adv = rng.choice([1.0, -1.0]) * rng.uniform(0.5, 1.5)
         rows.append(TrainRow(seg, adv, replayed=i % 3 == 0))  # no replay clip: only the counts differ
     return rows
 
 
+M2_TAU = 0.45
+"""The M2 trust region of `rows="m2"`: over `_capped_rows(moderate=True)` it keeps every token near
+w = 1 and some of the moderate ones, and each of two ranks' shares (`shard_groups`) alone would keep
+another set (a rank that skipped the gathering would drop other tokens)."""
+
+
 def _config(micro_batch_tokens: int = 16384, agg: str = "token_mean", rows: str = "plain") -> TrainerConfig:
     """The tests' trainer settings; `rows="capped"` trains `_capped_rows` off-policy (the engine's
-    log-probs as behaviour) with no gradient clipping, so raw gradients compare."""
-    capped = rows == "capped"
+    log-probs as behaviour) with no gradient clipping, so raw gradients compare; `rows="m2"` the same
+    on `_capped_rows(moderate=True)` with the M2 trust region at `M2_TAU`."""
+    capped = rows in ("capped", "m2")
     return TrainerConfig(
         lr=1e-2,
         bf16=False,
         micro_batch_tokens=micro_batch_tokens,
-        loss=LossConfig(agg=agg),
+        loss=LossConfig(agg=agg, m2_tau=M2_TAU if rows == "m2" else 0.0),
         behaviour_is_prox=not capped,
         grad_clip=1e9 if capped else 1.0,
     )
@@ -504,28 +513,33 @@ def test_fsdp2_two_ranks_match_one_rank(tmp_path, n_rows, micro_batch_tokens):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
-def test_the_gradient_is_the_rows_own_whatever_the_packing_and_the_rank_count(tmp_path, agg):
+@pytest.mark.parametrize(
+    ("agg", "kind"), [("token_mean", "capped"), ("seq_mean_token_mean", "capped"), ("token_mean", "m2")]
+)
+def test_the_gradient_is_the_rows_own_whatever_the_packing_and_the_rank_count(tmp_path, agg, kind):
     """The loss is a function of the mini-batch alone: one micro-batch on one rank, one micro-batch
     per row, and two FSDP2 ranks give the same gradient, also with tokens the decoupled-PPO cap drops
-    (they used to leave a micro-batch's denominator but not its weight in the mini-batch)."""
-    rows = _capped_rows()
+    (they used to leave a micro-batch's denominator but not its weight in the mini-batch) and with the
+    M2 trust region (one threshold over every micro-batch and rank)."""
+    rows = _capped_rows(moderate=kind == "m2")
     runs = {}
     for name, micro in (("one micro-batch", 1 << 20), ("a micro-batch per row", 1)):
-        trainer = PolicyTrainer(_model(), 0, _config(micro, agg, "capped"))
+        trainer = PolicyTrainer(_model(), 0, _config(micro, agg, kind))
         grads = _capture_grads(trainer)
         metrics = trainer.train_step(rows)
         assert len(trainer._micro_batches(rows)) == (1 if micro > 1 else len(rows))
         runs[name] = grads, metrics
-    sharded = _two_ranks(tmp_path, len(rows), 1, agg, "capped")
+    sharded = _two_ranks(tmp_path, len(rows), 1, agg, kind)
     runs["two ranks"] = sharded["grads"], sharded["metrics"]
     ref_grads, ref = runs["one micro-batch"]
     assert 0.05 < ref["masked_frac"] < 0.95  # some tokens capped, not all
+    assert (ref["m2_masked_frac"] > ref["masked_frac"]) == (kind == "m2")  # and more by the M2 threshold
     for name, (grads, metrics) in runs.items():
         diff = max(float((grads[k] - ref_grads[k]).abs().max()) for k in ref_grads)
         assert diff <= 1e-6, (name, diff)
         assert metrics["loss"] == pytest.approx(ref["loss"], abs=1e-6), name
         assert metrics["masked_frac"] == pytest.approx(ref["masked_frac"], abs=1e-6), name
+        assert metrics["m2_masked_frac"] == pytest.approx(ref["m2_masked_frac"], abs=1e-6), name
         assert (metrics["trained_tokens"], metrics["new_trained_tokens"]) == (
             ref["trained_tokens"],
             ref["new_trained_tokens"],

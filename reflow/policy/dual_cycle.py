@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 SHARE_EPS = 1e-9
 """floor(share * n) must not lose a group to float error (0.29 * 100 = 28.999...)."""
@@ -42,13 +42,23 @@ class CycleConfig:
     masked_frac_max: float = 0.02
     """IS health: a masked-token fraction above this -> share down."""
     kl_max: float = 0.05
-    """IS health: a behaviour-vs-current KL above this -> share down."""
+    """IS health: a behaviour-vs-current KL above this -> share down (and, with selection "scored",
+    a group whose last use measured more is not replayed)."""
     ess_min: float = 0.5
     """IS health: a normalised effective sample size of the weights pi_prox / pi_behav below this
-    -> share down (ESS falls before the masked fraction rises when staleness starts to hurt)."""
-    prefer_spread: bool = True
-    """Rank replay candidates by reward spread (largest first), then newest; False: newest only.
-    Zero-spread groups are never replayed either way."""
+    -> share down (ESS falls before the masked fraction rises when staleness starts to hurt; with
+    selection "scored", a group whose last use measured less is not replayed)."""
+    selection: Literal["spread", "newest", "scored"] = "spread"
+    """Which replayable groups fill the replay share first (`reflow.policy.replay_selection`): the
+    largest reward spread, then the newest ("spread"); the newest ("newest"); or the highest score
+    from age, spread, pass rate, uses and the last use's importance weights ("scored"). Zero-spread
+    groups are never replayed."""
+    age_decay: float = 0.5
+    """"scored": a candidate's score is multiplied by this per policy version of age."""
+    clip_frac_max: float = 0.5
+    """"scored": a group whose last use found more than this share of its tokens' weights pi_prox /
+    pi_behav past PPO's clip range is not replayed (ess_min and kl_max gate each group's last use the
+    same way)."""
 
     def __post_init__(self) -> None:
         if self.tau_max < 0:
@@ -60,11 +70,15 @@ class CycleConfig:
                 "need 0 <= share_min <= share_init <= share_max <= 1, got "
                 f"share_min={self.share_min}, share_init={self.share_init}, share_max={self.share_max}"
             )
-        for name in ("share_step", "wait_high_s", "masked_frac_max", "kl_max", "ess_min"):
+        for name in ("share_step", "wait_high_s", "masked_frac_max", "kl_max", "ess_min", "clip_frac_max"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
-        for name in ("share_step", "masked_frac_max", "ess_min"):  # fractions
+        if self.selection not in ("spread", "newest", "scored"):
+            raise ValueError(f"selection must be 'spread', 'newest' or 'scored', got {self.selection!r}")
+        if not 0.0 < self.age_decay <= 1.0:
+            raise ValueError(f"age_decay must be within (0, 1], got {self.age_decay}")
+        for name in ("share_step", "masked_frac_max", "ess_min", "clip_frac_max"):  # fractions
             if getattr(self, name) > 1:
                 raise ValueError(f"{name} must be within [0, 1], got {getattr(self, name)}")
 

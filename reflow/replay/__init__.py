@@ -9,13 +9,14 @@ the command line. This package imports only `reflow.records`, `reflow.env` and t
 """
 
 from reflow.replay.planning import BatchPlan, consume, plan_batch
-from reflow.replay.store import GroupInfo, ReplayStore, StoredGroup
+from reflow.replay.store import GroupInfo, ReplayStore, StoredGroup, UseStats
 
 __all__ = [
     "BatchPlan",
     "GroupInfo",
     "ReplayStore",
     "StoredGroup",
+    "UseStats",
     "consume",
     "plan_batch",
 ]

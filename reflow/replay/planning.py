@@ -11,8 +11,9 @@ accepted for admission, so rollout generates replacements for them, just as the 
 
 Plain functions over a store (`ReplayStore`, or the simulator's `SimStore` with the same queries),
 no threads and no clocks: the caller (the training loop) decides when to call them, and tests can
-drive them step by step. The replay candidates' ranking is the store's (its index columns), which is
-why planning lives here and not with the pure policies in `reflow.policy`.
+drive them step by step. The replay candidates come from the store's ranked query on its index columns
+("spread" and "newest" are that order; "scored" re-ranks the newest of them with the pure policy
+`reflow.policy.replay_selection`), which is why planning lives here and not in `reflow.policy`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 
 from reflow.policy.dual_cycle import SHARE_EPS, AdmissionControl, CycleConfig
+from reflow.policy.replay_selection import Candidate, ReplaySelection
 from reflow.replay.store import GroupInfo, ReplayStore
 
 # ---- admission control's counts
@@ -105,15 +107,36 @@ def _fresh_with_spread(store: ReplayStore, want: int) -> tuple[list[GroupInfo], 
         limit *= 4
 
 
+SCORED_CANDIDATES = 1024
+"""The "scored" selection scores at most this many of the window's groups (those with spread, newest
+first): the bound on a plan's work however large the window grows (p50 27 ms with a window of
+10,000 beside two CPU-bound processes, `benchmarks/bench_replay.py --plan-only`). The default age
+decay halves a score per version, so a group behind a thousand newer ones is a poor pick anyway."""
+
+
 def _replay_candidates(store: ReplayStore, n: int, current_version: int, cfg: CycleConfig) -> list[GroupInfo]:
     if n <= 0 or cfg.max_reuse <= 1:
         return []
     query = {"current_version": current_version, "tau_max": cfg.tau_max, "max_reuse": cfg.max_reuse}
-    # The store ranks the window (largest spread first with prefer_spread, else groups with spread
-    # first; then newest: version, then arrival) on its index columns, so the limit alone gives the
-    # n candidates: no record is read, however large the window.
-    found = store.replayable(**query, limit=n, prefer_spread=True, rank_by_spread=cfg.prefer_spread)
-    return [g for g in found if g.reward_spread > 0]
+    if cfg.selection != "scored":
+        # The store ranks the window ("spread": the largest spread first; "newest": groups with
+        # spread first; then newest: version, then arrival) on its index columns, so the limit alone
+        # gives the n candidates: no record is read, however large the window.
+        found = store.replayable(**query, limit=n, rank_by_spread=cfg.selection == "spread")
+        return [g for g in found if g.reward_spread > 0]
+    found = store.replayable(**query, limit=max(n, SCORED_CANDIDATES))
+    by_id = {g.group_id: g for g in found}
+    picked = ReplaySelection(cfg).select([candidate(g) for g in found], n, current_version)
+    return [by_id[gid] for gid in picked]
+
+
+def candidate(g: GroupInfo) -> Candidate:
+    """What replay selection reads of a stored group."""
+    use = g.last_use
+    return Candidate(
+        g.group_id, g.policy_version, g.seq, g.reward_spread, g.pass_rate, g.consumed,
+        *((use.ess, use.clip_frac, use.kl_behav) if use else ()),
+    )  # fmt: skip
 
 
 def plan_batch(

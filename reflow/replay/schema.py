@@ -12,7 +12,10 @@ run can undo the consumptions of steps its restored checkpoint never saw; 3 make
 oldest *token's* (a migrated or carried-over episode can hold tokens older than its start), adds its
 newest token's version, its lineage (the run epoch whose weights made it: a resumed run starts a new
 one, `lineages`) and a quarantine mark (made by weights that died in a crash: never trained), and
-snaps float-noise reward spreads to 0. `migrate` brings older files up on open.
+snaps float-noise reward spreads to 0; 4 adds what replay selection scores a group by: its pass rate
+(the share of its trained episodes that succeeded) and the importance-weight statistics of its last
+use, which the trainer writes back (ESS, clip fraction, behaviour KL; NULL until its first use).
+`migrate` brings older files up on open.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 from reflow.records import MASKED_STATUSES, SPREAD_TOL, EpisodeRecord
 from reflow.records import reward_spread as spread_of
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS groups (
@@ -44,6 +47,11 @@ CREATE TABLE IF NOT EXISTS groups (
     newest_version INTEGER NOT NULL DEFAULT 0,  -- the newest policy version among its sampled tokens
     lineage INTEGER NOT NULL DEFAULT 0,  -- the run epoch (lineages.lineage) whose weights made it
     quarantined INTEGER NOT NULL DEFAULT 0,  -- 1: made by weights a resumed run lost, never trained
+    pass_rate REAL NOT NULL DEFAULT 0,  -- the share of its trained (not masked) episodes that succeeded
+    last_ess REAL,  -- the importance-weight statistics of its last use, written back by the trainer
+    last_clip_frac REAL,
+    last_kl_behav REAL,
+    last_use_step INTEGER,  -- the step that measured them (a rollback past it forgets them)
     UNIQUE (run, group_id)
 );
 CREATE TABLE IF NOT EXISTS episodes (
@@ -105,7 +113,7 @@ CREATE INDEX IF NOT EXISTS consumptions_by_step ON consumptions (run, step);
 
 INFO_COLS = (
     "seq, run, group_id, policy_version, newest_version, lineage, quarantined, n_episodes, reward_spread, "
-    "consumed, last_step, created_at, meta"
+    "consumed, last_step, created_at, meta, pass_rate, last_ess, last_clip_frac, last_kl_behav"
 )
 """The index columns of a group (`GroupInfo`): what planning reads, no record decoded."""
 EPISODE_COLS = (
@@ -116,7 +124,7 @@ EPISODE_COLS = (
 
 GROUP_INSERT = (
     "run, group_id, policy_version, newest_version, lineage, n_episodes, reward_spread, advantages, "
-    "created_at, meta"
+    "created_at, meta, pass_rate"
 )
 
 # consumed / last_step of every group of a run, recomputed from the consumption log
@@ -167,6 +175,8 @@ def migrate(db: sqlite3.Connection, version: int) -> None:
         db.executemany("INSERT OR IGNORE INTO consumptions VALUES (?, ?, ?, ?)", log)
     if 0 < version < 3:
         _migrate_to_3(db)
+    if 0 < version < 4:
+        _migrate_to_4(db)
 
 
 def _migrate_to_3(db: sqlite3.Connection) -> None:
@@ -189,6 +199,25 @@ def _migrate_to_3(db: sqlite3.Connection) -> None:
         [(lo, hi, seq) for seq, (lo, hi) in versions.items()],
     )
     db.execute("UPDATE groups SET reward_spread = 0 WHERE reward_spread <= ?", (SPREAD_TOL,))
+
+
+def _migrate_to_4(db: sqlite3.Connection) -> None:
+    """The selection columns: pass rates from the episodes' indexed columns (no record decoded); no
+    group has use statistics yet."""
+    have = {row[1] for row in db.execute("PRAGMA table_info(groups)")}
+    if "pass_rate" not in have:
+        db.execute("ALTER TABLE groups ADD COLUMN pass_rate REAL NOT NULL DEFAULT 0")
+    for column, kind in [("last_ess", "REAL"), ("last_clip_frac", "REAL"), ("last_kl_behav", "REAL")]:
+        if column not in have:
+            db.execute(f"ALTER TABLE groups ADD COLUMN {column} {kind}")
+    if "last_use_step" not in have:
+        db.execute("ALTER TABLE groups ADD COLUMN last_use_step INTEGER")
+    masked = ", ".join("?" * len(MASKED_STATUSES))
+    db.execute(
+        "UPDATE groups SET pass_rate = coalesce((SELECT AVG(e.success) FROM episodes e "
+        f"WHERE e.group_seq = groups.seq AND e.status NOT IN ({masked})), 0)",
+        sorted(MASKED_STATUSES),
+    )
 
 
 def _json_default(obj: Any) -> Any:
@@ -226,6 +255,12 @@ def decode_record(codec: str, blob: bytes) -> dict[str, Any]:
     elif codec != "json":
         raise ValueError(f"unknown record codec {codec!r}")
     return json.loads(blob)
+
+
+def pass_rate(episodes: list[EpisodeRecord]) -> float:
+    """The share of the group's trained episodes (not masked) that succeeded; 0.0 if none is."""
+    trained = [e for e in episodes if e.status not in MASKED_STATUSES]
+    return sum(bool(e.success) for e in trained) / len(trained) if trained else 0.0
 
 
 def reward_spread(episodes: list[EpisodeRecord]) -> float:

@@ -53,6 +53,7 @@ from reflow.replay.schema import (
     encode_record,
     episode_columns,
     migrate,
+    pass_rate,
     reward_spread,
     statements,
 )
@@ -87,6 +88,28 @@ class GroupInfo:
     quarantined: bool = False
     """Made by weights a resumed run lost: never trained."""
     n_episodes: int = 0
+    pass_rate: float = 0.0
+    """The share of its trained (not masked) episodes that succeeded."""
+    last_use: UseStats | None = None
+    """The importance-weight statistics of its last use, as the trainer wrote them back; None before."""
+
+
+@dataclass(frozen=True)
+class UseStats:
+    """How far a group's data was from the trainer's weights when a step last trained on it, over the
+    group's loss-mask tokens, with w = pi_prox / pi_behav (the trainer's pre-update weights over the
+    engine's sampling policy). Written back per group by the trainer (`ReplayStore.set_use_stats`);
+    replay selection reads it (`reflow.policy.replay_selection`)."""
+
+    ess: float
+    """Normalised effective sample size of w: (sum w)^2 / (n sum w^2), 1 when every weight is equal."""
+    clip_frac: float
+    """The share of tokens whose w is already past PPO's clip range in its advantage's direction (w >
+    1 + clip_eps_high with A > 0, w < 1 - clip_eps with A < 0): how much of the group the policy has
+    moved past a trust region's width since it was sampled (with `loss.replay_clip` such tokens of a
+    replayed row give no gradient; without it they still do)."""
+    kl_behav: float
+    """k3 estimate of KL(behaviour || prox): mean(w - 1 - log w)."""
 
 
 @dataclass
@@ -196,13 +219,13 @@ class ReplayStore:
         meta = dict(meta or {})
         version = min(e.oldest_version for e in episodes)
         newest = max(e.newest_version for e in episodes)
-        spread = reward_spread(episodes)
+        spread, passed = reward_spread(episodes), pass_rate(episodes)
         blobs = [(e, encode_record(e, self.compress)) for e in episodes]  # CPU work outside the lock
         created_at = time.time()
         adv_json, meta_json = dumps(advantages), dumps(meta)
         group_row = (
             self.run, group_id, version, newest, self.lineage, len(episodes), spread, adv_json, created_at,
-            meta_json,
+            meta_json, passed,
         )  # fmt: skip
         with self._write() as db:
             try:
@@ -225,7 +248,7 @@ class ReplayStore:
         assert seq is not None
         return StoredGroup(
             group_id, seq, version, spread, 0, None, meta, self.run, created_at, newest, self.lineage,
-            False, len(episodes), list(episodes), advantages,
+            False, len(episodes), passed, None, list(episodes), advantages,
         )  # fmt: skip
 
     def mark_consumed(self, group_ids: list[str], step: int) -> None:
@@ -247,10 +270,29 @@ class ReplayStore:
                 except sqlite3.IntegrityError:
                     raise ValueError(f"group {gid!r} was already consumed by step {step}") from None
 
+    def set_use_stats(self, stats: dict[str, UseStats | None], step: int) -> None:
+        """Write back what trainer step `step` measured on each group it trained (`UseStats`; None: it
+        trained the group without measuring it), replacing the previous use's; unknown ids are
+        ignored. A rollback past `step` forgets them (`rollback_consumption`). Not durable on its
+        own: a crash loses at most the last step's statistics, which only rank replay candidates."""
+        rows = [
+            (*((s.ess, s.clip_frac, s.kl_behav) if s else (None, None, None)), step, self.run, gid)
+            for gid, s in stats.items()
+        ]
+        if not rows:
+            return
+        with self._write(durable=False) as db:
+            db.executemany(
+                "UPDATE groups SET last_ess = ?, last_clip_frac = ?, last_kl_behav = ?, last_use_step = ? "
+                "WHERE run = ? AND group_id = ?",
+                rows,
+            )
+
     def rollback_consumption(self, after_step: int) -> int:
         """Undo the consumptions by steps after `after_step` (a run resumed from that step's checkpoint,
         0: from the start; the restored weights never saw those steps), recounting consumed and
-        last_step from the log in the same transaction. Returns how many were undone. Zero-spread
+        last_step from the log in the same transaction, and forgets the use statistics those steps
+        wrote back. Returns how many were undone. Zero-spread
         groups those steps retired are fresh again (the next plan retires them again); admission's
         `accepted_groups` counts groups stored, not consumed, and does not change."""
         if after_step < 0:
@@ -260,6 +302,12 @@ class ReplayStore:
                 "DELETE FROM consumptions WHERE run = ? AND step > ?", (self.run, after_step)
             ).rowcount
             db.execute(RECOUNT, (self.run,))
+            # what those steps measured came from weights the resumed run never had
+            db.execute(
+                "UPDATE groups SET last_ess = NULL, last_clip_frac = NULL, last_kl_behav = NULL, "
+                "last_use_step = NULL WHERE run = ? AND last_use_step > ?",
+                (self.run, after_step),
+            )
         return undone
 
     def consumptions(self) -> list[tuple[str, int, float]]:
@@ -611,10 +659,14 @@ class ReplayStore:
 
 def _info(row: tuple) -> GroupInfo:
     """A `GroupInfo` from a row of `INFO_COLS`."""
-    seq, run, gid, version, newest, lineage, quarantined, n, spread, consumed, last_step, created, meta = row
+    seq, run, gid, version, newest, lineage, quarantined, n, spread, consumed, last_step, created, meta = row[
+        :13
+    ]
+    passed, ess, clip_frac, kl = row[13:]
+    use = None if ess is None else UseStats(ess, clip_frac, kl)
     return GroupInfo(
         gid, seq, version, spread, consumed, last_step, json.loads(meta), run, created, newest, lineage,
-        bool(quarantined), n,
+        bool(quarantined), n, passed, use,
     )  # fmt: skip
 
 

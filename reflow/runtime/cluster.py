@@ -53,6 +53,11 @@ def start_ray(config: RunConfig) -> None:
         ray.init(address=address, log_to_driver=True)
     else:
         cpus = max(len(config.resources.slots), os.cpu_count() or 1)
+        # Ray starts its workers at nice 15, for its own daemons' sake. Our workers are the run (rollout,
+        # the trainer ranks): beside any other job at nice 0 they got a few percent of a core and the
+        # run stalled (a measurement beside two busy loops sat 50 minutes in its first evaluation).
+        # The raylet reads RAY_worker_niceness; a user's own setting wins.
+        os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
 
 

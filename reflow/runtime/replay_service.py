@@ -15,7 +15,7 @@ from typing import Any
 from reflow.config import RunConfig
 from reflow.policy.dual_cycle import CycleConfig
 from reflow.records import EpisodeRecord
-from reflow.replay import GroupInfo, ReplayStore, StoredGroup
+from reflow.replay import GroupInfo, ReplayStore, StoredGroup, UseStats
 from reflow.replay.planning import accepted_groups, consume, plan_batch
 
 
@@ -80,6 +80,9 @@ class ReplayService:
 
     def mark_consumed(self, group_ids: list[str], step: int) -> None:
         self.store.mark_consumed(group_ids, step)
+
+    def set_use_stats(self, stats: dict[str, UseStats | None], step: int) -> None:
+        self.store.set_use_stats(stats, step)
 
     def rollback_consumption(self, after_step: int) -> int:
         return self.store.rollback_consumption(after_step)

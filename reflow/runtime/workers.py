@@ -265,7 +265,8 @@ class TrainerRank:
         from transformers.utils import logging as hf_logging
 
         from reflow.models import load_model
-        from reflow.train.trainer import PolicyTrainer, init_distributed
+        from reflow.train.distributed import init_distributed
+        from reflow.train.trainer import PolicyTrainer
 
         hf_logging.disable_progress_bar()  # a progress bar per checkpoint save is noise in the run log
         config = self.config
@@ -298,7 +299,7 @@ class TrainerRank:
         slot goes to rollout). `shutdown_distributed`: a barrier, so no rank tears its connections down
         under a peer still in a collective, then the group goes. The actor process itself is ended by
         `ray.kill`, without the interpreter's finalization that gloo's threads do not survive."""
-        from reflow.train.trainer import shutdown_distributed
+        from reflow.train.distributed import shutdown_distributed
 
         shutdown_distributed()
 
@@ -333,7 +334,9 @@ class TrainerRank:
     def train_step(self, group_ids: list[str], step: int) -> dict[str, float]:
         """One update on the batch `group_ids`. With several ranks each fetches only its share of the
         groups (balanced by generated tokens, the same split on every rank): the replay actor sends
-        every record once per step, not once per rank."""
+        every record once per step, not once per rank. Each rank then writes back the importance-weight
+        statistics of its groups (`ReplayStore.set_use_stats`), before the step counts as done, so
+        the next plan after it ranks replay candidates by them."""
         from reflow.train.batch import rows_from_groups, shard_groups
 
         mine = group_ids
@@ -342,7 +345,10 @@ class TrainerRank:
             shares = shard_groups([sizes[g] for g in group_ids], self.world_size)
             mine = [group_ids[i] for i in shares[self.rank]]
         groups = ray.get(self.replay.groups.remote(mine)) if mine else []
-        return self.trainer.train_step(rows_from_groups(groups, step), step=step)
+        metrics = self.trainer.train_step(rows_from_groups(groups, step), step=step)
+        if self.trainer.group_stats:  # each rank writes back its own groups' (a group is on one rank)
+            ray.get(self.replay.set_use_stats.remote(self.trainer.group_stats, step))
+        return metrics
 
     def state_dict(self) -> dict[str, Any] | None:
         """Full weights on rank 0 (None on the others); collective: call on every rank."""

@@ -36,6 +36,7 @@ def _known(config_class: type, values: dict[str, Any]) -> dict[str, Any]:
 
 def scenario_for(m: RunMeasurement, seed: int = 0) -> Scenario:
     """The simulator scenario of a measured run (see the module docstring)."""
+    from reflow.config import renamed_replay_keys
     from reflow.policy.dual_cycle import CycleConfig
     from reflow.policy.elastic import ElasticConfig
     from reflow.policy.tail import TailConfig
@@ -67,7 +68,7 @@ def scenario_for(m: RunMeasurement, seed: int = 0) -> Scenario:
     else:
         mode["rollout_gpus"] = n_rollout
     if m.mode == "reflow":
-        mode["cycle"] = _known(CycleConfig, replay)
+        mode["cycle"] = _known(CycleConfig, renamed_replay_keys(replay))
     device = (cfg.get("resources") or {}).get("device", "cpu")
     data = {
         "name": f"from-run {m.run_dir.name}",

@@ -6,19 +6,29 @@ forward pass) and theta (the weights being trained). The PPO ratio u = pi_theta 
 around prox, so a step is bounded however stale the data; the behaviour correction
 w = pi_prox / pi_behav reweights for the distribution the token was drawn from.
 
-This module owns the loss and its health statistics (clip fraction, weight mean/max, masked
-fraction, behaviour-vs-current KL); the log-probabilities come from `reflow.train.logprobs`.
+This module owns the loss, its second-moment trust region on w (M2PO: `second_moment_threshold`) and
+its health statistics (clip fraction, weight mean/max, masked fractions, behaviour-vs-current KL); the
+log-probabilities come from `reflow.train.logprobs`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
 from reflow.train.settings import LossConfig
 
-__all__ = ["LossConfig", "engine_gap_stats", "loss_denominator", "masked_mean", "policy_loss"]
+__all__ = [
+    "LossConfig",
+    "engine_gap_stats",
+    "loss_denominator",
+    "masked_mean",
+    "policy_loss",
+    "second_moment_threshold",
+    "sq_log_weights",
+]
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -36,6 +46,44 @@ def loss_denominator(row_tokens: Sequence[int] | torch.Tensor, agg: str) -> floa
     micro-batches and ranks before the first of them runs."""
     counts = torch.as_tensor(row_tokens, dtype=torch.float64)
     return float(counts.sum() if agg == "token_mean" else (counts > 0).sum())
+
+
+def _log_weight(prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log w = log pi_prox - log pi_behav on the mask, 0 off it (padding may hold anything, and an inf
+    there would turn into nan gradients even behind a where())."""
+    zero = torch.zeros((), dtype=torch.float32, device=prox_logp.device)
+    return torch.where(mask.bool(), prox_logp.detach().float() - behav_logp.detach().float(), zero)
+
+
+def sq_log_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The (log w)^2 of every loss-mask token, 1-D: what `second_moment_threshold` reads, computed as
+    `policy_loss` compares it, so a threshold taken from these values drops exactly the tokens above it."""
+    log_w = _log_weight(prox_logp, behav_logp, mask)
+    return (log_w * log_w)[mask.bool()]
+
+
+def second_moment_threshold(sq_log_w: torch.Tensor, tau: float) -> float:
+    """M2PO's trust region: the largest t such that the mean of the values <= t is <= `tau`, from the
+    (log w)^2 of every loss-mask token of a mini-batch (`sq_log_weights`); the tokens kept are those
+    with (log w)^2 <= t. A function of the values alone: tied values are kept or dropped together,
+    and neither the order nor the packing of the tokens changes it. +inf when every token is kept (the
+    mean of all of them is already <= tau, or there is none); -inf when none is (the smallest exceeds
+    tau).
+
+    Sorted ascending, the mean of the k smallest values is non-decreasing in k, so one prefix-sum scan
+    finds it; a prefix may only end where the next value is larger (ties)."""
+    values = sq_log_w.detach().flatten().double().sort().values
+    n = values.numel()
+    if n == 0:
+        return math.inf
+    prefix_mean = values.cumsum(0) / torch.arange(1, n + 1, dtype=torch.float64, device=values.device)
+    ends = torch.ones(n, dtype=torch.bool, device=values.device)
+    ends[:-1] = values[1:] > values[:-1]
+    fits = (ends & (prefix_mean <= tau)).nonzero()
+    if not len(fits):
+        return -math.inf
+    k = int(fits.max())
+    return math.inf if k == n - 1 else float(values[k])
 
 
 def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str, denominator: float) -> torch.Tensor:
@@ -56,6 +104,7 @@ def policy_loss(
     cfg: LossConfig | None = None,
     replayed: torch.Tensor | None = None,
     denominator: float | None = None,
+    m2_threshold: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The policy-gradient loss over the tokens where `mask` is set, and detached scalar statistics.
 
@@ -66,7 +115,9 @@ def policy_loss(
     min(w, cap); the loss aggregates w * pg over the valid tokens (`cfg.agg`). With `cfg.replay_clip`,
     the tokens of `replayed` rows ([B] or [B, T], True for a replayed row) whose r = pi_theta / pi_behav
     is past the clip in their advantage's direction (A > 0 and r > 1 + eps_high, or A < 0 and
-    r < 1 - eps) keep their value in the loss but give no gradient.
+    r < 1 - eps) keep their value in the loss but give no gradient. With `m2_threshold`, tokens with
+    (log w)^2 above it are dropped as capped ones are (either kind); None: with `cfg.m2_tau` > 0, the
+    threshold of this batch's own mask tokens (`second_moment_threshold`), else none.
 
     Normalisation: the loss is a sum divided by `denominator`. token_mean sums w * pg over the valid
     tokens; seq_mean_token_mean sums each row's mean, that row's sum over its mask tokens. The
@@ -75,12 +126,14 @@ def policy_loss(
     (`loss_denominator`), so the micro-batch losses add up to the mini-batch's loss and a row weighs
     the same however the rows are packed or sharded. None: this batch's own count. A token capped by
     decoupled PPO counts in the denominators (as the loss mask does in verl and AReaL) and adds 0 to
-    the sum: capping a token drops its term without raising the weight of the tokens beside it.
+    the sum: capping a token drops its term without raising the weight of the tokens beside it. So
+    does a token the M2 threshold drops.
 
     Statistics, over the valid tokens (those that enter the loss) unless said otherwise:
     clip_frac (the clipped branch is the max, i.e. the token gives no gradient), replay_clip_frac (tokens
     the replay clip stopped, a share of all valid tokens), w_mean and w_max (the
     weights as applied), masked_frac (share of mask tokens dropped by the decoupled-PPO cap),
+    m2_masked_frac (share of mask tokens dropped by the M2 threshold; a token may count in both),
     trunc_frac (share of mask tokens whose TIS weight was truncated), kl_behav (k3 estimate of
     KL(behaviour || current) = mean(exp(r) - 1 - r), r = logp - behav_logp, over all mask tokens,
     capped ones included, since they are the divergence it should show) and n_tokens.
@@ -95,19 +148,21 @@ def policy_loss(
     advantages = advantages.detach().float().expand_as(logp)
     zero = torch.zeros((), dtype=torch.float32, device=logp.device)
 
-    # Zero the log-ratios off the mask before exp: padding may hold anything, and an inf there would
-    # turn into nan gradients even behind a where().
-    behav_log_w = torch.where(mask, prox_logp - behav_logp, zero)
+    behav_log_w = _log_weight(prox_logp, behav_logp, mask)
     w_raw = behav_log_w.exp()
+    sq_log_w = behav_log_w * behav_log_w  # as `sq_log_weights` computes it
+    if m2_threshold is None and cfg.m2_tau > 0:
+        m2_threshold = second_moment_threshold(sq_log_w[mask], cfg.m2_tau)
+    m2_dropped = torch.zeros_like(mask) if m2_threshold is None else mask & (sq_log_w > m2_threshold)
     if cfg.kind == "decoupled_ppo":
         capped = mask & (w_raw > cfg.behav_weight_cap)
-        valid = mask & ~capped
+        valid = mask & ~capped & ~m2_dropped
         w = torch.where(valid, w_raw, zero)
         truncated = torch.zeros_like(mask)
     else:
         capped = torch.zeros_like(mask)
-        valid = mask
-        truncated = mask & (w_raw > cfg.tis_cap)
+        valid = mask & ~m2_dropped
+        truncated = valid & (w_raw > cfg.tis_cap)
         w = torch.where(valid, w_raw.clamp(max=cfg.tis_cap), zero)
 
     u = torch.where(valid, logp - prox_logp, zero).exp()
@@ -139,6 +194,7 @@ def policy_loss(
             "w_mean": masked_mean(w, valid),
             "w_max": w.max() if bool(n_valid) else zero.clone(),
             "masked_frac": capped.sum() / n_mask,
+            "m2_masked_frac": m2_dropped.sum() / n_mask,
             "trunc_frac": truncated.sum() / n_mask,
             "kl_behav": masked_mean(log_r.exp() - 1.0 - log_r, mask),
             "n_tokens": n_valid.float(),

@@ -5,6 +5,7 @@ use them."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -33,6 +34,13 @@ class LossConfig:
     seq_mean_token_mean: mean over each row's mask tokens, then over the mini-batch's rows that have
     any. Over the whole mini-batch, whatever the micro-batches and ranks; a token the decoupled-PPO
     cap drops counts in both means and adds 0 (`losses.policy_loss`)."""
+    m2_tau: float = 0.0
+    """> 0: a second-moment trust region on the behaviour weights w = pi_prox / pi_behav (M2PO), for
+    both kinds: the loss-mask tokens with the largest (log w)^2 are dropped until the mean of (log w)^2
+    over the tokens kept is <= m2_tau, over the whole mini-batch (`losses.second_moment_threshold`). A
+    dropped token is treated as a capped one: it stays in the denominator, adds 0 and gives no gradient.
+    Costs one no-grad forward per batch (the exact prox log-probs before the first update); nothing is
+    dropped in sync mode, where w is 1. 0: off."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("decoupled_ppo", "tis"):
@@ -43,6 +51,8 @@ class LossConfig:
             raise ValueError("need 0 <= clip_eps < 1 and clip_eps_high >= 0")
         if self.behav_weight_cap <= 0.0 or self.tis_cap <= 0.0:
             raise ValueError("weight caps must be positive")
+        if not (math.isfinite(self.m2_tau) and self.m2_tau >= 0.0):
+            raise ValueError(f"m2_tau must be finite and >= 0, got {self.m2_tau}")
 
 
 @dataclass
@@ -77,7 +87,9 @@ class TrainerConfig:
     """How later updates get prox log-probs: "recompute" (a no-grad forward before the first update) or
     "loglinear" (no extra forward: per token, log pi_prox ~ log pi_behav + alpha (log pi_theta -
     log pi_behav) with alpha = (v_prox - v_behav) / (v_prox + 1 - v_behav), AReaL's approximation).
-    The first update always uses the exact, free detached log-probs of its own forward pass."""
+    The first update uses the exact, free detached log-probs of its own forward pass, unless
+    `loss.m2_tau` > 0 off sync mode: its threshold needs them before the first update, so they are
+    recomputed (and "loglinear" is refused)."""
 
     def __post_init__(self) -> None:
         for name in ("lr", "grad_clip", "micro_batch_tokens"):
@@ -90,3 +102,5 @@ class TrainerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.prox_logp not in ("recompute", "loglinear"):
             raise ValueError(f"prox_logp must be 'recompute' or 'loglinear', got {self.prox_logp!r}")
+        if self.loss.m2_tau > 0 and self.prox_logp == "loglinear":
+            raise ValueError("loss.m2_tau > 0 needs the exact prox log-probs: prox_logp must be 'recompute'")

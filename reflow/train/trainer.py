@@ -7,20 +7,26 @@ A step packs the rows into micro-batches by padded-token budget, accumulates gra
 loss (decoupled PPO or truncated IS, `reflow.train.losses`), clips the gradient norm and takes an AdamW
 step, once per mini-batch and epoch (`minibatches`, `epochs`; one update by default). The proximal
 policy is the weights before the first update; with one update per batch its log-probs are exactly the
-detached log-probs of the same forward pass, so no extra forward is spent on them. In sync mode the
-behaviour policy *is* the proximal one (`behaviour_is_prox`): the IS weight is exactly 1 and nothing is
-masked. Otherwise the behaviour log-probs are the ones the engine recorded at sampling time. Every
-step also reports how far the trainer's pre-update log-probs are from the engine's (`engine_kl`, an
-estimate of KL(engine || prox), and `engine_gap_max`) and the effective sample size of the weights
-between them (`is_ess`): in sync mode that is the engine-trainer mismatch alone.
+detached log-probs of the same forward pass, so no extra forward is spent on them (unless the M2 trust
+region is on, below). In sync mode the behaviour policy *is* the proximal one (`behaviour_is_prox`):
+the IS weight is exactly 1 and nothing is masked. Otherwise the behaviour log-probs are the ones the
+engine recorded at sampling time. Every step also reports how far the trainer's pre-update log-probs
+are from the engine's (`engine_kl`, an estimate of KL(engine || prox), and `engine_gap_max`) and the
+effective sample size of the weights between them (`is_ess`): in sync mode that is the engine-trainer
+mismatch alone.
 
-Several ranks: `init_distributed` starts a gloo (CPU) or NCCL process group and the model is sharded
-with FSDP2 (`fully_shard`, one unit per decoder layer); each rank trains on its share of the rows.
+Several ranks: `reflow.train.distributed.init_distributed` starts a gloo (CPU) or NCCL process group and
+the model is sharded with FSDP2 (`fully_shard`, one unit per decoder layer); each rank trains on its
+share of the rows.
 
 Normalisation: before a mini-batch's first micro-batch the trainer adds up, over every rank, the loss's
 denominator (its loss-mask tokens, or its rows for `seq_mean_token_mean`), and each micro-batch's loss
 is its sum over that count (`losses.policy_loss`): the gradient is a function of the mini-batch's rows
-alone, the same whatever `micro_batch_tokens`, the packing or the rank count.
+alone, the same whatever `micro_batch_tokens`, the packing or the rank count. The M2 trust region
+(`LossConfig.m2_tau` > 0) is one threshold per mini-batch the same way: from the (log w)^2 of every
+loss-mask token of every micro-batch and rank (gathered to every rank), before the first micro-batch.
+It needs the prox log-probs before the first update, so off sync mode it costs one extra no-grad
+forward over the batch even for a single update; in sync mode w is 1 and nothing is spent.
 """
 
 from __future__ import annotations
@@ -30,7 +36,6 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -38,8 +43,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from reflow.records import Segment
+from reflow.replay import UseStats
+from reflow.train.distributed import all_gather, shard_model
+from reflow.train.group_stats import GroupSums, row_sums
 from reflow.train.logprobs import logprobs_from_logits, pad_segments, token_logprobs
-from reflow.train.losses import engine_gap_stats, loss_denominator, policy_loss
+from reflow.train.losses import (
+    engine_gap_stats,
+    loss_denominator,
+    policy_loss,
+    second_moment_threshold,
+    sq_log_weights,
+)
 from reflow.train.prefix import shared_prefix_len, suffix_logits
 from reflow.train.settings import TrainerConfig
 from reflow.train.sft import pack_batches, use_bf16
@@ -69,13 +83,13 @@ class TrainRow:
 
 _VALID_STATS = ("clip_frac", "replay_clip_frac", "w_mean")
 """Loss statistics that are means over the tokens that enter the loss (capped ones excluded)."""
-_MASK_STATS = ("masked_frac", "kl_behav")
+_MASK_STATS = ("masked_frac", "m2_masked_frac", "kl_behav")
 """Loss statistics that are means over every loss-mask token."""
 
 EMPTY_STEP_METRICS: dict[str, float] = {
     **dict.fromkeys(("loss", "entropy", "clip_frac", "replay_clip_frac", "masked_frac", "kl_behav"), 0.0),
     **dict.fromkeys(("grad_norm", "grad_skipped", "updates", "trained_tokens", "new_trained_tokens"), 0.0),
-    **dict.fromkeys(("rows", "train_s", "engine_kl", "engine_gap_max"), 0.0),
+    **dict.fromkeys(("m2_masked_frac", "rows", "train_s", "engine_kl", "engine_gap_max"), 0.0),
     **dict.fromkeys(("w_mean", "w_max", "is_ess"), 1.0),  # no weight differs from 1
 }
 """What `train_step` returns for a step with no sampled token: every key of a real step, neutral."""
@@ -119,6 +133,10 @@ class PolicyTrainer:
         self.step = 0
         self.version = 0
         self.rng = random.Random(self.cfg.seed + self.rank)
+        self.group_stats: dict[str, UseStats | None] = {}
+        """What the last `train_step` measured on each of this rank's groups (`reflow.train.group_stats`),
+        from the updates whose prox log-probs are exact (all of them by default; with loglinear prox,
+        those of the first mini-batch: the others' groups get None)."""
 
     def _micro_batches(self, rows: Sequence[TrainRow]) -> list[list[TrainRow]]:
         by_segment = {id(r.segment): r for r in rows}
@@ -167,6 +185,7 @@ class PolicyTrainer:
         optimizer state, step and version stay) and returns those neutral values, `updates` 0."""
         start = time.monotonic()
         rows = [r for r in rows if r.segment.n_sampled > 0]
+        self.group_stats = {}
         if not self._all_reduce(float(len(rows))):
             # No rank has a sampled token: an update would be all zero gradients, yet AdamW's momentum
             # and weight decay would still move the weights. Nothing is trained and the version stays.
@@ -174,9 +193,15 @@ class PolicyTrainer:
         plan = [self._micro_batches(mb) for mb in self._split_minibatches(rows)]
         updates = len(plan) * self.cfg.epochs
         # Later updates need the log-probs of the weights before the first one (prox); a single update
-        # takes them from its own forward pass for free.
-        recompute = updates > 1 and self.cfg.prox_logp == "recompute"
-        prox = self._prox_logprobs(plan) if recompute else None
+        # takes them from its own forward pass for free, unless the M2 threshold needs them first.
+        m2 = self.cfg.loss.m2_tau > 0 and not self.cfg.behaviour_is_prox  # sync: w is 1, nothing to drop
+        recompute = (updates > 1 and self.cfg.prox_logp == "recompute") or m2
+        prox, sq_log_w = self._prox_logprobs(plan) if recompute else (None, [])
+        # One M2 threshold per mini-batch, over its tokens on every rank (inf: nothing dropped).
+        tau = self.cfg.loss.m2_tau
+        thresholds = (
+            [second_moment_threshold(all_gather(v), tau) for v in sq_log_w] if m2 else [math.inf] * len(plan)
+        )
         first = True  # no optimizer step yet: theta is still prox
         # Sums over every update, micro-batch and (after the step) rank; divided at the end.
         totals: dict[str, float] = dict.fromkeys(("loss", "entropy", "n_valid", "n_mask"), 0.0)
@@ -184,6 +209,7 @@ class PolicyTrainer:
         w_max, grad_norms = 0.0, []
         gap: dict[str, float] = dict.fromkeys(("engine_kl_sum", "w_sum", "w_sq_sum", "n"), 0.0)
         gap_max = 0.0
+        groups = GroupSums()
         self.model.train()
         for epoch in range(self.cfg.epochs):
             for k, micro_batches in enumerate(plan):
@@ -207,9 +233,19 @@ class PolicyTrainer:
                         for key in gap:
                             gap[key] += float(g[key])
                         gap_max = max(gap_max, float(g["engine_gap_max"]))
+                        sums = row_sums(prox_logp, t["behav"], t["adv"], t["mask"], self.cfg.loss)
+                        groups.add([r.group_id for r in batch], sums)
                     behav = prox_logp if self.cfg.behaviour_is_prox else t["behav"]
                     loss, stats = policy_loss(
-                        logp, prox_logp, behav, t["adv"], t["mask"], self.cfg.loss, t["replayed"], denominator
+                        logp,
+                        prox_logp,
+                        behav,
+                        t["adv"],
+                        t["mask"],
+                        self.cfg.loss,
+                        t["replayed"],
+                        denominator,
+                        thresholds[k],
                     )
                     # FSDP averages gradients over the ranks; the loss is already a share of the sum.
                     (loss * self.world_size).backward()
@@ -225,6 +261,8 @@ class PolicyTrainer:
                     w_max = max(w_max, _sum_stat(stats, "w_max"))
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
                 grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+                if thresholds[k] == -math.inf:  # M2 dropped every token: no gradient, so no step
+                    grad_norm = math.nan  # (AdamW's momentum and decay would still move the weights)
                 if math.isfinite(grad_norm):
                     self.optimizer.step()
                     first = False
@@ -233,6 +271,9 @@ class PolicyTrainer:
         self.model.eval()
         self.step = step if step is not None else self.step + 1
         self.version += 1
+        # A group trained by an update without exact prox (loglinear, later mini-batches) gets None:
+        # the store forgets its previous use's figures rather than keep stale ones.
+        self.group_stats = {**dict.fromkeys(r.group_id for r in rows if r.group_id), **groups.stats()}
         total = {k: self._all_reduce(v) for k, v in totals.items()}
         n_valid, n_mask = max(total.pop("n_valid"), 1.0), max(total.pop("n_mask"), 1.0)
         metrics = {key: total[key] / n_valid for key in _VALID_STATS}
@@ -281,10 +322,18 @@ class PolicyTrainer:
         return [order[i::n] for i in range(n)]
 
     @torch.no_grad()
-    def _prox_logprobs(self, plan: list[list[list[TrainRow]]]) -> list[list[torch.Tensor]]:
-        """Log-probs of the current weights for every micro-batch of the plan, before any update."""
+    def _prox_logprobs(
+        self, plan: list[list[list[TrainRow]]]
+    ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
+        """Log-probs of the current weights for every micro-batch of the plan, before any update, and
+        the (log w)^2 of each mini-batch's loss-mask tokens under them (for the M2 threshold)."""
         self.model.eval()
-        return [[self._forward(batch)["logp"].detach() for batch in micro] for micro in plan]
+        prox, sq_log_w = [], []
+        for micro in plan:
+            forwards = [self._forward(batch) for batch in micro]
+            prox.append([t["logp"].detach() for t in forwards])
+            sq_log_w.append(torch.cat([sq_log_weights(t["logp"], t["behav"], t["mask"]) for t in forwards]))
+        return prox, sq_log_w
 
     def _all_reduce(self, value: float, op: str = "sum") -> float:
         if self.world_size == 1:
@@ -360,44 +409,3 @@ def loglinear_prox(
     lag = (prox_version - versions).clamp(min=0).to(theta_logp.dtype)
     alpha = lag / (lag + 1.0)
     return behav_logp + alpha * (theta_logp - behav_logp)
-
-
-def shard_model(model: torch.nn.Module) -> None:
-    """FSDP2: each decoder layer is one unit, then the root (embeddings, norm, head)."""
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-
-
-def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, backend: str) -> None:
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=rank,
-            world_size=world_size,
-        )
-
-
-LEAVE_TIMEOUT_S = 120.0
-"""How long a rank leaving its group waits for the others at the barrier (gloo) before it fails."""
-
-
-def shutdown_distributed() -> None:
-    """Leave the process group at the end of this rank's part in it; every rank calls it (a collective).
-
-    A barrier first: once it returns every rank has finished every collective, so none closes its
-    connections under a peer still working on one. Then the group is destroyed. Under FSDP2 that does
-    not stop gloo's threads: DTensor's caches keep the device mesh, and through it the group, alive
-    until the process ends. A process that ends after this should therefore end without the
-    interpreter's finalization (`os._exit`, as `ray.kill` ends the actors): a C++ thread that takes the
-    GIL while CPython finalizes is ended from inside C++ code, which aborts the process ("terminate
-    called without an active exception")."""
-    if dist.is_initialized():
-        if dist.get_backend() == "gloo":  # bounded: a dead peer fails the barrier, not 30 minutes later
-            dist.monitored_barrier(timeout=timedelta(seconds=LEAVE_TIMEOUT_S))
-        else:
-            dist.barrier()
-        dist.destroy_process_group()
