@@ -1,4 +1,5 @@
-"""The `reflow` command line: `reflow envs list | check | play`, `reflow rollout`, `reflow warmstart`."""
+"""The `reflow` command line: `reflow envs list | check | play`, `reflow rollout`, `reflow eval`, `reflow
+export`, `reflow warmstart`, `reflow agent-train` and the commands the subsystems add."""
 
 from __future__ import annotations
 
@@ -178,9 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="also print the summaries as one JSON line")
     p.set_defaults(fn=cmd_envs_play)
 
-    from reflow.recipes import bench_modes, rollout_cli, train_cli, warmstart
+    from reflow.recipes import bench_modes, model_cli, rollout_cli, train_cli, warmstart
 
     rollout_cli.add_parser(sub)
+    model_cli.add_parsers(sub)  # `reflow eval`, `reflow export`
     warmstart.add_parser(sub)
     train_cli.add_parser(sub)
     bench_modes.add_parser(sub)

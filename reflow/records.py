@@ -9,8 +9,10 @@ records go to JSONL, Parquet or the replay store without conversion code.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from reflow.env import Message
@@ -141,3 +143,27 @@ class EpisodeRecord:
         data["turns"] = [TurnRecord(**t) for t in data.get("turns", [])]
         data["segments"] = [Segment(**s) for s in data.get("segments", [])]
         return cls(**data)
+
+
+def write_records(records: Sequence[EpisodeRecord], path: str | Path) -> None:
+    """Episode records to a file: JSONL, or Parquet when the name ends in .parquet (one row per
+    episode, nested columns)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [r.to_dict() for r in records]
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        # Free-form dicts (messages, tool results, info) vary in shape: store them as JSON text.
+        for row in rows:
+            for key in ("messages", "reward_components", "timings"):
+                row[key] = json.dumps(row[key])
+            for turn in row["turns"]:
+                for key in ("obs_messages", "tool_calls", "tool_results", "sampling_params"):
+                    turn[key] = json.dumps(turn[key])
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        with open(path, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")

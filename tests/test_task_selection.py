@@ -264,7 +264,7 @@ async def test_the_worker_headroom_plays_greedy_then_k_samples_on_the_same_held_
 
 
 async def test_the_worker_headroom_measures_the_same_weights_the_same_in_every_run(tmp_path):
-    """The sampled half of the measurement is seeded (`RolloutWorker._held_out`): two measurements of
+    """The sampled half of the measurement is seeded (`RolloutWorker.held_out`): two measurements of
     the same weights, one per worker as in two runs, play the same sampled episodes token for token."""
     from reflow.config import load_config
     from reflow.models import build_tiny
@@ -284,7 +284,7 @@ async def test_the_worker_headroom_measures_the_same_weights_the_same_in_every_r
     played = []
     for _ in range(2):
         worker = RolloutWorker(config, model_dir, replay=None)
-        played.append(await worker._held_out(4, 1_000_000, 1.0, 3))
+        played.append(await worker.held_out(4, 1_000_000, 1.0, 3))
         await worker.close()
     first, second = ([r.segments[0].token_ids for r in recs] for recs in played)
     assert first == second

@@ -2,6 +2,9 @@
 
 reflow rollout --env reflow/Calc-v0 --model tiny --episodes 64 --out runs/calc.jsonl
 reflow rollout --env reflow/Calc-v0 --model FOLDER --eval --episodes 300 --pass-at 8   # RL headroom
+
+`--eval` is an alias of `reflow eval` (`reflow.recipes.model_cli`) with a config made of the env id and
+these flags; `reflow eval --config` also takes a run config's env kwargs and sampling.
 """
 
 from __future__ import annotations
@@ -10,36 +13,14 @@ import argparse
 import asyncio
 import json
 import time
-from pathlib import Path
 from typing import Any
 
+from reflow.config import RunConfig
 from reflow.engine import Engine, SamplingParams
-from reflow.records import EpisodeRecord
-from reflow.rollout.collect import EVAL_SEED_BASE, collect, rl_headroom, summarize
+from reflow.recipes.model_cli import evaluate_model
+from reflow.records import EpisodeRecord, write_records
+from reflow.rollout.collect import collect, summarize
 from reflow.rollout.episode import EpisodeRunner, RolloutConfig
-
-
-def write_records(records: list[EpisodeRecord], path: str | Path) -> None:
-    """JSONL, or Parquet when the name ends in .parquet (one row per episode, nested columns)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    rows = [r.to_dict() for r in records]
-    if path.suffix == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        # Free-form dicts (messages, tool results, info) vary in shape: store them as JSON text.
-        for row in rows:
-            for key in ("messages", "reward_components", "timings"):
-                row[key] = json.dumps(row[key])
-            for turn in row["turns"]:
-                for key in ("obs_messages", "tool_calls", "tool_results", "sampling_params"):
-                    turn[key] = json.dumps(turn[key])
-        pq.write_table(pa.Table.from_pylist(rows), path)
-    else:
-        with open(path, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
 
 
 def make_engine(model_name: str, max_batch_size: int = 32) -> tuple[Engine, Any]:
@@ -82,56 +63,57 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     if args.eval and args.group_size != 1:  # greedy decoding would play the same episode G times
         raise UsageError("--eval plays one greedy episode per held-out task: drop --group-size")
 
-    async def run(engine: Engine, tokenizer: Any, temperature: float, group_size: int, episodes: int):
-        sampling = SamplingParams(
-            max_new_tokens=args.max_new_tokens,
-            temperature=temperature,
-            top_p=args.top_p,
-            seed=EVAL_SEED_BASE if args.eval else None,  # a held-out measurement: the same every run
-        )
-        return await collect(
-            EpisodeRunner(engine, tokenizer, RolloutConfig(sampling=sampling)),
-            args.env,
-            episodes,
-            group_size=group_size,
-            seed=EVAL_SEED_BASE if args.eval else args.seed,
-            concurrency=args.max_batch_size,
-        )
+    if args.eval:
+        summary = evaluate_model(_eval_config(args), args.model, args.episodes, args.pass_at or 0, args.out)
+        print(json.dumps(summary))
+        return 0
 
-    async def main() -> tuple[list[EpisodeRecord], list[EpisodeRecord], float]:
+    async def main() -> tuple[list[EpisodeRecord], float]:
         engine, tokenizer = make_engine(args.model, args.max_batch_size)
+        sampling = SamplingParams(
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p
+        )
         start = time.monotonic()
         try:
-            temperature = 0.0 if args.eval else args.temperature
-            records = await run(engine, tokenizer, temperature, args.group_size, args.episodes)
-            seconds = time.monotonic() - start
-            sampled = []
-            if args.pass_at:  # K samples on each task the greedy run played
-                sampled = await run(
-                    engine, tokenizer, args.temperature, args.pass_at, len(records) * args.pass_at
-                )
+            records = await collect(
+                EpisodeRunner(engine, tokenizer, RolloutConfig(sampling=sampling)),
+                args.env,
+                args.episodes,
+                group_size=args.group_size,
+                seed=args.seed,
+                concurrency=args.max_batch_size,
+            )
         finally:
             await engine.close()
-        return records, sampled, seconds
+        return records, time.monotonic() - start
 
-    records, sampled, seconds = asyncio.run(main())
+    records, seconds = asyncio.run(main())
     summary = summarize(records, seconds)
     if args.out:
-        write_records(records + sampled, args.out)
+        write_records(records, args.out)
     console.print(
         f"[bold]{args.env}[/bold] with {args.model}: {summary['episodes']} episodes, "
         f"success {summary['success_rate']:.1%}, reward {summary['reward_mean']:.3f}, "
         f"turns p50/p90/max {summary['turns_p50']:g}/{summary['turns_p90']:g}/{summary['turns_max']}, "
         f"{summary['generated_tokens_per_s']:.0f} generated tokens/s, statuses {summary['statuses']}"
     )
-    if sampled:
-        room = rl_headroom(records, sampled)
-        summary["rl_headroom"] = room
-        console.print(
-            f"{room['samples_per_task']} samples per task at temperature {args.temperature:g}: "
-            f"sampled success {room['sampled_success']:.1%}, pass@{room['samples_per_task']} "
-            f"{room['pass_at_k']:.1%}; RL headroom {room['headroom']:.1%} (tasks greedy fails and "
-            "some sample solves: what RL can turn into greedy success)"
-        )
     print(json.dumps(summary))
     return 0
+
+
+def _eval_config(args: argparse.Namespace) -> RunConfig:
+    """The run config `--eval` stands for: the env id, the model and the sampling flags."""
+    from reflow.config import validate_config
+
+    return validate_config(
+        {
+            "env": {"id": args.env},
+            "model": args.model,
+            "rollout": {
+                "temperature": args.temperature,
+                "top_p": args.top_p,
+                "max_batch_size": args.max_batch_size,
+            },
+            "eval": {"max_new_tokens": args.max_new_tokens},
+        }
+    )

@@ -193,7 +193,7 @@ class RolloutWorker:
             self.engine, self.config, self.model_path, self.index, state_dict, version, rewind=rewind
         )
 
-    async def _held_out(
+    async def held_out(
         self, episodes: int, seed: int, temperature: float, samples: int
     ) -> list[EpisodeRecord]:
         """`samples` episodes on each of `episodes` held-out tasks (task seeds from `seed`), at
@@ -223,8 +223,8 @@ class RolloutWorker:
         from reflow.rollout.collect import rl_headroom
 
         start = time.monotonic()
-        greedy = await self._held_out(episodes, seed, 0.0, 1)
-        sampled = await self._held_out(episodes, seed, self.config.rollout.temperature, k)
+        greedy = await self.held_out(episodes, seed, 0.0, 1)
+        sampled = await self.held_out(episodes, seed, self.config.rollout.temperature, k)
         return {**rl_headroom(greedy, sampled), "seconds": time.monotonic() - start}
 
     async def evaluate(self, episodes: int, seed: int) -> dict[str, Any]:
@@ -234,7 +234,7 @@ class RolloutWorker:
 
         ev = self.config.eval
         start = time.monotonic()
-        records = await self._held_out(episodes, seed, ev.temperature, ev.samples)
+        records = await self.held_out(episodes, seed, ev.temperature, ev.samples)
         return {
             **summarize(records, time.monotonic() - start),
             "tasks": episodes,

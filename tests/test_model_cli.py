@@ -1,0 +1,220 @@
+"""`reflow eval` and `reflow export`, run as a user runs them: a config's env kwargs reach the held-out
+episodes, a run folder means its latest checkpoint, and an exported folder loads in plain
+`transformers` and generates what the checkpoint generates in TorchEngine."""
+
+import asyncio
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REFLOW = str(Path(sys.executable).parent / "reflow")
+
+
+def ok(*args):
+    out = subprocess.run([REFLOW, *args], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return out
+
+
+def run(*args):
+    out = ok(*args)
+    return out, json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def fails(*args):
+    out = subprocess.run([REFLOW, *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    return out.stderr
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    from reflow.models import build_tiny
+
+    return build_tiny(
+        tmp_path_factory.mktemp("model"), num_hidden_layers=2, hidden_size=128, intermediate_size=256
+    )
+
+
+@pytest.fixture(scope="module")
+def checkpoint(small_model, tmp_path_factory):
+    """A real trainer checkpoint one RL step away from `small_model` (weights, optimizer, RNG, state)."""
+    from reflow.models import load_model
+    from reflow.records import Segment
+    from reflow.train.settings import TrainerConfig
+    from reflow.train.trainer import PolicyTrainer, TrainRow
+    from reflow.train.trainer_state import save_checkpoint
+
+    model, tokenizer = load_model(small_model)
+    trainer = PolicyTrainer(model, tokenizer.pad_token_id, TrainerConfig(lr=5e-2, bf16=False))
+    rng = random.Random(0)
+    rows = []
+    for adv in (1.0, -1.0, 1.0, -1.0):
+        seg = Segment(0)
+        seg.extend_prompt([rng.randrange(10, 500) for _ in range(6)])
+        seg.extend_sampled([rng.randrange(10, 500) for _ in range(5)], [-6.0] * 5, [0] * 5)
+        rows.append(TrainRow(seg, adv))
+    trainer.train_step(rows)
+    root = tmp_path_factory.mktemp("run") / "checkpoints"
+    return save_checkpoint(root, trainer, tokenizer)
+
+
+def _config(tmp_path: Path, model: str, **env_kwargs) -> Path:
+    import yaml
+
+    path = tmp_path / "run.yaml"
+    config = {
+        "model": model,
+        "env": {"id": "reflow/Calc-v0", "kwargs": env_kwargs},
+        "eval": {"max_new_tokens": 16, "end_episodes": 3, "pass_at": 2},
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _first_prompts(env_kwargs: dict, seeds: list[int]) -> list[str]:
+    from reflow.env import make
+
+    async def one(seed: int) -> str:
+        env = make("reflow/Calc-v0", **env_kwargs)
+        try:
+            obs = await env.reset(seed=seed)
+            return obs.messages[-1]["content"]
+        finally:
+            await env.close()
+
+    return [asyncio.run(one(s)) for s in seeds]
+
+
+@pytest.mark.slow
+def test_eval_plays_the_configs_env_kwargs_on_the_held_out_tasks(checkpoint, tmp_path):
+    from reflow.rollout.collect import EVAL_SEED_BASE
+
+    config = _config(tmp_path, str(checkpoint), max_steps=1, min_steps=1)
+    episodes = tmp_path / "episodes.jsonl"
+    summary_file = tmp_path / "eval.json"
+    out, summary = run(
+        "eval",
+        "--config",
+        str(config),
+        "--model",
+        str(checkpoint),
+        "--out",
+        str(episodes),
+        "--json",
+        str(summary_file),
+    )
+    assert summary == json.loads(summary_file.read_text())
+    assert summary["episodes"] == 3 and summary["env_kwargs"] == {"max_steps": 1, "min_steps": 1}
+    room = summary["rl_headroom"]  # the config's pass_at: 2 sampled episodes on each greedy task
+    assert room["tasks"] == 3 and room["samples_per_task"] == 2
+    assert "greedy success" in out.stdout and "pass@2" in out.stdout
+    rows = [json.loads(line) for line in episodes.read_text().splitlines()]
+    seeds = [EVAL_SEED_BASE + i for i in range(3)]
+    assert [r["seed"] for r in rows[:3]] == seeds
+    played = [r["messages"][1]["content"] for r in rows[:3]]
+    assert played == _first_prompts({"max_steps": 1, "min_steps": 1}, seeds)
+    assert played != _first_prompts({}, seeds)  # the registered kwargs would have given other tasks
+    # an override changes what is played, as in `agent-train`
+    _, greedy_only = run("eval", "--config", str(config), "--model", str(checkpoint), "eval.pass_at=0")
+    assert "rl_headroom" not in greedy_only and greedy_only["success_rate"] == summary["success_rate"]
+
+
+@pytest.mark.slow
+def test_eval_of_a_run_folder_takes_its_latest_checkpoint_and_its_config(checkpoint, tmp_path):
+    from reflow.config import dump_config, load_config
+
+    run_dir = tmp_path / "runs" / "calc"
+    for step in (1, 3):
+        shutil.copytree(checkpoint, run_dir / "checkpoints" / f"step-{step:06d}")
+    (run_dir / "config.yaml").write_text(dump_config(load_config(_config(tmp_path, str(checkpoint)))))
+    _, summary = run("eval", "--model", str(run_dir), "--episodes", "2", "--pass-at", "0")
+    assert Path(summary["model"]).name == "step-000003" and summary["episodes"] == 2
+    empty = tmp_path / "runs" / "fresh"
+    (empty / "checkpoints").mkdir(parents=True)
+    (empty / "config.yaml").write_text((run_dir / "config.yaml").read_text())
+    assert "has no finished checkpoint" in fails("eval", "--model", str(empty))
+    assert "give --config" in fails("eval", "--model", str(checkpoint))
+
+
+GENERATE = """
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
+ids = tok.apply_chat_template(
+    [{"role": "user", "content": "What is 12 + 30?"}], add_generation_prompt=True, tokenize=True
+)
+ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+with torch.no_grad():
+    out = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
+assert not any(m == "reflow" or m.startswith("reflow.") for m in sys.modules), "reflow was imported"
+print(json.dumps({"prompt": list(ids), "completion": out[0, len(ids):].tolist()}))
+"""
+
+
+@pytest.mark.slow
+def test_export_writes_a_folder_plain_transformers_loads_and_that_generates_the_checkpoints_tokens(
+    checkpoint, small_model, tmp_path
+):
+    from safetensors.torch import load_file
+
+    from reflow.engine import SamplingParams
+    from reflow.engine.torch_engine import TorchEngine
+    from reflow.models import load_model
+
+    out_dir = tmp_path / "exported"
+    ok("export", str(checkpoint.parent.parent), str(out_dir))  # the run folder: its latest checkpoint
+    names = {p.name for p in out_dir.iterdir()}
+    assert "model.safetensors" in names and "config.json" in names and "tokenizer.json" in names
+    assert not names & {"optimizer.pt", "rng.pt", "state.json"}
+    info = json.loads((out_dir / "reflow_export.json").read_text())
+    assert info["step"] == 1 and Path(info["source"]).name == checkpoint.name
+    exported = load_file(out_dir / "model.safetensors")
+    trained = load_file(checkpoint / "model.safetensors")
+    base = load_file(Path(small_model) / "model.safetensors")
+    assert exported.keys() <= trained.keys()  # a tied lm_head is stored once
+    assert all((exported[k] == trained[k]).all() for k in exported)
+    assert any(not (exported[k] == base[k]).all() for k in exported)  # the trained weights, not the base
+
+    # A fresh interpreter with transformers alone: no reflow import, no hub.
+    env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(
+        [sys.executable, "-I", "-c", GENERATE, str(out_dir)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    served = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    model, tokenizer = load_model(checkpoint)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 12 + 30?"}], add_generation_prompt=True, tokenize=True
+    )
+    prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+    assert served["prompt"] == list(prompt)  # the chat template travelled with the tokenizer
+
+    async def greedy() -> list[int]:
+        engine = TorchEngine(model, tokenizer, max_batch_size=1)
+        try:
+            res = await engine.generate(list(prompt), SamplingParams(max_new_tokens=24, temperature=0.0))
+        finally:
+            await engine.close()
+        return res.output_ids
+
+    ours = asyncio.run(greedy())
+    assert ours and served["completion"][: len(ours)] == ours
+
+    # a non-empty target is refused in one line unless --overwrite
+    assert "pass --overwrite" in fails("export", str(checkpoint), str(out_dir))
+    ok("export", str(checkpoint), str(out_dir), "--overwrite")
+    assert (out_dir / "model.safetensors").is_file() and not (tmp_path / ".exported.tmp").exists()
