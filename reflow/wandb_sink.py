@@ -69,18 +69,23 @@ class WandbSink:
         run_dir.mkdir(parents=True, exist_ok=True)
         id_file = run_dir / RUN_ID_FILE
         run_id = id_file.read_text().strip() if id_file.exists() else None  # None: W&B picks one
-        self.run = wandb.init(
-            project=config.project,
-            entity=config.entity,
-            mode=config.mode,
-            name=config.name or run_name,
-            group=config.group,
-            tags=list(config.tags),
-            dir=str(run_dir),
-            id=run_id,
-            resume="allow",
-            config=run_config,
-        )
+        try:
+            self.run = wandb.init(
+                project=config.project,
+                entity=config.entity,
+                mode=config.mode,
+                name=config.name or run_name,
+                group=config.group,
+                tags=list(config.tags),
+                dir=str(run_dir),
+                id=run_id,
+                resume="allow",
+                config=run_config,
+            )
+        except wandb.errors.Error as e:  # no login, a bad entity: W&B's own words, and the key
+            raise ConfigError(
+                f"log.wandb: W&B could not start the run: {e} (or log to files: log.wandb.mode=offline)"
+            ) from None
         id_file.write_text(self.run.id + "\n")
         self._axes: set[str] = set()
 

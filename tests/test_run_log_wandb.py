@@ -130,3 +130,14 @@ def test_a_missing_wandb_package_is_one_error_line_naming_the_key(tmp_path, monk
     assert cli.main(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "log.wandb" in err and "pip install 'reflow-rl[wandb]'" in err
+
+
+def test_an_online_run_without_a_wandb_login_is_an_error_naming_the_key(tmp_path, wandb_offline, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc login either
+    monkeypatch.setenv("NETRC", str(tmp_path / "home" / ".netrc"))
+    config = run_config(tmp_path, "log.wandb.mode=online")
+    with pytest.raises(
+        ConfigError, match=r"^log\.wandb: W&B could not start the run: .*log\.wandb\.mode=offline"
+    ):
+        log_sinks(config)
