@@ -78,7 +78,7 @@ class RunLog:
         with self.path.open("a", encoding="utf-8") as f:
             f.write(line + "\n")
         if self.sinks:
-            written = json.loads(line)  # what metrics.jsonl holds: numbers as floats, keys as strings
+            written = json.loads(line)  # as metrics.jsonl holds it: keys as strings, numpy numbers as floats
             for sink in self.sinks:
                 sink.write(kind, {key: written[key] for key in map(str, record)})
         if self._tb is not None and "step" in record:
