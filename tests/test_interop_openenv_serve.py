@@ -89,7 +89,62 @@ def test_capacity_and_auth_as_an_openenv_client_sees_them(tmp_path, openenv_pyth
             rpc = {"jsonrpc": "2.0", "method": "tools/list", "params": {}, "id": 1}
             assert http.post(f"{base}/mcp", json=rpc).json()["error"]["code"] == -32603
             assert http.get("/openenv/reflow/Calc-v0/health").status_code == 404  # not served here
+            doc = http.get(f"{base}/openapi.json").json()  # its own document, paths under the prefix
+            assert doc["servers"] == [{"url": base}] and doc["info"]["version"].startswith("1.")
+            assert {path: set(ops) for path, ops in doc["paths"].items()} == {
+                "/health": {"get"},
+                "/metadata": {"get"},
+                "/schema": {"get"},
+                "/mcp": {"post"},
+            }
+            for path, ops in doc["paths"].items():
+                for method in ops:
+                    assert http.request(method, base + path, json={}).status_code == 200, path
+            schemas = doc["components"]["schemas"]  # /schema's, their references resolved here
+            assert set(schemas["ReflowAction"]["properties"]) == set(schema["action"]["properties"])
+            assert schemas["ReflowAction"]["properties"]["tool_calls"]["items"]["$ref"] == (
+                "#/components/schemas/ActionToolCall"
+            )
+            assert schemas["ActionToolCall"] == schema["action"]["$defs"]["ActionToolCall"]
+            assert http.get("/openenv/reflow/Calc-v0/openapi.json").status_code == 404
         assert httpx.get(f"{server.url}{base}/health").status_code == 401  # behind the token
+        assert httpx.get(f"{server.url}{base}/openapi.json").status_code == 401
+
+
+# OpenEnv's own runtime validator (what `openenv validate --url` runs), as a user would call it.
+OPENENV_VALIDATE = """
+import json, sys
+
+from openenv.cli._validation import validate_running_environment
+
+print(json.dumps(validate_running_environment(sys.argv[1])))
+"""
+
+
+def test_openenvs_own_validator_passes_every_required_check(tmp_path, openenv_python):
+    # the validator sends no credentials: a server without a token, on loopback (LoopbackOnly)
+    with ServerProcess(tmp_path, "--env", "reflow/Calc-v0", token=None) as server:
+        script = tmp_path / "validate.py"
+        script.write_text(OPENENV_VALIDATE)
+        url = f"{server.url}/openenv/reflow/Calc-v0"
+        out = subprocess.run(
+            [str(openenv_python), str(script), url], capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        report = json.loads(out.stdout.splitlines()[-1])
+    required = {c["id"]: c for c in report["criteria"] if c["required"]}
+    assert {
+        "openapi_version_available",
+        "health_endpoint",
+        "metadata_endpoint",
+        "schema_endpoint",
+        "mcp_endpoint",
+        "mode_endpoint_consistency",
+    } <= set(required)
+    assert [c["id"] for c in required.values() if not c["passed"]] == []
+    assert report["passed"] is True
+    # no stateless /reset, /step, /state: OpenEnv's production mode, of its 1.x HTTP profile
+    assert report["mode"] == "production" and report["standard_profile"] == "openenv-http/1.x"
 
 
 def test_the_interop_adapters_are_never_served():

@@ -62,7 +62,7 @@ def test_cli_starts_without_heavy_imports():
 LAYERS = [
     {"errors", "metrics", "console"},  # definitions the whole tree shares
     {"env", "policy"},  # the env API; the scheduling policies (pure)
-    {"records", "interop", "sandbox", "models"},
+    {"records", "interop", "sandbox", "models", "wandb_sink"},  # wandb_sink: the W&B settings and run
     {"server", "engine", "replay"},
     {"rollout", "train"},
     {"config"},  # the run configuration: its sections hold the lower layers' settings

@@ -40,6 +40,7 @@ from reflow.recipes.run_state import (
     steps_left,
     took_step,
 )
+from reflow.recipes.sinks import log_sinks
 from reflow.recipes.weight_sync import sync_weights
 from reflow.runtime.cluster import Cluster, start_ray
 from reflow.runtime.workers import GroupReport
@@ -50,7 +51,21 @@ def train(config: RunConfig, *, resume: bool = False, console: Console | None = 
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(config))
-    log = RunLog(run_dir, console)
+    log = RunLog(run_dir, console, sinks=log_sinks(config))
+    exit_code = 1  # until the summary is written: a W&B run that crashed shows as failed
+    try:
+        summary = _train(config, log, resume=resume, console=console)
+        exit_code = 0
+    finally:
+        log.close(exit_code)
+    plot_run(run_dir)
+    console.print(summary_table(summary))
+    return summary
+
+
+def _train(config: RunConfig, log: RunLog, *, resume: bool, console: Console) -> dict[str, Any]:
+    """The run from Ray's start to the summary record (written, and returned)."""
+    run_dir = config.run_dir
     start_ray(config)
     model_path, state, ckpt = prepare_model(config, run_dir, log, resume=resume)
     if ckpt is not None:  # the slot layout the elastic pool had reached
@@ -90,11 +105,8 @@ def train(config: RunConfig, *, resume: bool = False, console: Console | None = 
         reuse = ray.get(cluster.replay.reuse_histogram.remote())
     finally:
         cluster.shutdown()
-        log.close()
     summary = run_summary(config, state, reuse)
     log.write("summary", summary)
-    plot_run(run_dir)
-    console.print(summary_table(summary))
     return summary
 
 

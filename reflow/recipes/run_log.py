@@ -3,13 +3,16 @@
 plots of held-out success against wall-clock time and generated tokens.
 
 Every record is one JSON object per line in `<run_dir>/metrics.jsonl` with a `kind` ("step", "eval",
-"warmstart", "summary"); TensorBoard scalars go to `<run_dir>/tb/`. A resumed run appends to both.
+"warmstart", "summary"); TensorBoard scalars go to `<run_dir>/tb/`. A resumed run appends to both. The
+sinks the config's `log:` asks for (`reflow.recipes.sinks`: a W&B run) get every record too, with the
+values metrics.jsonl has.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +26,7 @@ from reflow.metrics import quantile as _quantile
 from reflow.recipes.run_state import RunState
 
 if TYPE_CHECKING:  # the workers module imports Ray: reading a run's log needs none of it
+    from reflow.recipes.sinks import Sink
     from reflow.runtime.workers import GroupReport
 
 STEP_COLUMNS = (
@@ -41,8 +45,15 @@ STEP_COLUMNS = (
 
 
 class RunLog:
-    def __init__(self, run_dir: str | Path, console: Console | None = None, live: bool = True) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        console: Console | None = None,
+        live: bool = True,
+        sinks: Sequence[Sink] = (),
+    ) -> None:
         self.dir = Path(run_dir)
+        self.sinks = list(sinks)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
         self.console = console or Console()
@@ -63,8 +74,13 @@ class RunLog:
 
     def write(self, kind: str, record: dict[str, Any]) -> None:
         row = {"kind": kind, "time": time.time(), **record}
+        line = json.dumps(row, default=float)
         with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(row, default=float) + "\n")
+            f.write(line + "\n")
+        if self.sinks:
+            written = json.loads(line)  # as metrics.jsonl holds it: keys as strings, numpy numbers as floats
+            for sink in self.sinks:
+                sink.write(kind, {key: written[key] for key in map(str, record)})
         if self._tb is not None and "step" in record:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step":
@@ -102,11 +118,14 @@ class RunLog:
             )
         return table
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
+        """Stop the display and close every sink (`exit_code` non-zero: the run failed)."""
         if self._live:
             self._live.stop()
         if self._tb is not None:
             self._tb.close()
+        for sink in self.sinks:
+            sink.close(exit_code)
 
 
 def eval_kind(record: dict[str, Any]) -> str:

@@ -49,6 +49,10 @@ def cmd_agent_train(args: argparse.Namespace) -> int:
                     "start over with --overwrite, or pick another run_name=..."
                 )
             shutil.rmtree(config.run_dir)
+    if config.log.wandb is not None:  # a missing package is a one-line error now, not after Ray starts
+        from reflow.wandb_sink import import_wandb
+
+        import_wandb()
     from reflow.sandbox.env_backend import host_code_warning
 
     host_code = host_code_warning(config.env.id, config.env.kwargs)

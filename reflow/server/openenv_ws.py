@@ -2,9 +2,11 @@
 
 Each served env answers under `/openenv/<env id>` (e.g. `http://host:port/openenv/reflow/Calc-v0`, the
 `base_url` of `GenericEnvClient`): the `/ws` session protocol (reset/step/state/close, OpenEnv's error
-codes, `CAPACITY_REACHED`), `/health`, `/metadata`, `/schema` and `POST /mcp` (JSON-RPC errors only:
-tools run inside a session). OpenEnv's stateless HTTP `/reset` and `/step` are left out (its
-"production" mode): they cannot play a multi-turn episode. The routes stay out of our OpenAPI document.
+codes, `CAPACITY_REACHED`), `/health`, `/metadata`, `/schema`, `POST /mcp` (JSON-RPC errors only:
+tools run inside a session) and `/openapi.json`, a document of its own for these routes (paths relative
+to the prefix). OpenEnv's stateless HTTP `/reset`, `/step` and `/state` are left out (its "production"
+mode, as OpenEnv's validator reads it from that document): they cannot play a multi-turn episode. The
+routes stay out of our OpenAPI document.
 
 A WebSocket is a thin client of the `SessionManager`: each `reset` is a new session of ours (the previous
 one is closed), each `step` one of its turns, so the env pool, sandboxes, deadlines, the reaper and the
@@ -44,6 +46,7 @@ from typing import Any
 import pydantic_core
 from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from reflow.env import AssistantTurn, ToolCall, parse_assistant
@@ -54,6 +57,9 @@ from reflow.server.sockets import WsGate, frame_data, read_frame
 router = APIRouter(prefix="/openenv/{namespace}/{name}", include_in_schema=False)
 PARSER = "hermes"
 OPEN_TAG = "<tool_call>"
+OPENENV_HTTP_VERSION = "1.0.0"
+"""The OpenEnv HTTP API these routes follow: their OpenAPI `info.version` (OpenEnv's validator reads its
+profile, `openenv-http/1.x`, from it)."""
 MAX_TEXT_CHARS = 1 << 20
 """Characters of an action's `content` or `text` (the body limit bounds a frame's bytes first)."""
 
@@ -113,12 +119,14 @@ def _served(request: Request, env_id: str) -> None:
 
 @router.get("/health")
 async def health(request: Request, namespace: str, name: str) -> dict[str, str]:
+    """`status`: healthy, or degraded while the server drains (it takes no new sessions)."""
     _served(request, _env_id(namespace, name))
     return {"status": "degraded" if request.app.state.manager.draining else "healthy"}
 
 
 @router.get("/metadata")
 async def metadata(request: Request, namespace: str, name: str) -> dict[str, Any]:
+    """The env's `name` (its id), a `description` naming its tools and turn limit, and `version`."""
     env_id = _env_id(namespace, name)
     _served(request, env_id)
     entry = next((e for e in request.app.state.catalog if e["env_id"] == env_id), {})
@@ -133,6 +141,7 @@ async def metadata(request: Request, namespace: str, name: str) -> dict[str, Any
 
 @router.get("/schema")
 async def schema(request: Request, namespace: str, name: str) -> dict[str, Any]:
+    """JSON schemas of the `action` a `/ws` step sends, the `observation` and the `state`."""
     _served(request, _env_id(namespace, name))
     return {
         "action": ReflowAction.model_json_schema(),
@@ -143,6 +152,7 @@ async def schema(request: Request, namespace: str, name: str) -> dict[str, Any]:
 
 @router.post("/mcp")
 async def mcp(request: Request, namespace: str, name: str) -> JSONResponse:
+    """A JSON-RPC 2.0 error for every request: the env's tools run inside a `/ws` session."""
     _served(request, _env_id(namespace, name))
     try:
         body = pydantic_core.from_json(await request.body() or b"null")  # ValueError when nested too deeply
@@ -158,6 +168,51 @@ async def mcp(request: Request, namespace: str, name: str) -> JSONResponse:
 
 def _rpc(request_id: Any, code: int, message: str) -> JSONResponse:
     return JSONResponse({"jsonrpc": "2.0", "id": request_id, "error": {"code": code, "message": message}})
+
+
+@router.get("/openapi.json")
+async def openapi(request: Request, namespace: str, name: str) -> dict[str, Any]:
+    env_id = _env_id(namespace, name)
+    _served(request, env_id)
+    return openapi_document(env_id)
+
+
+def openapi_document(env_id: str) -> dict[str, Any]:
+    """The OpenAPI document of the HTTP routes under `/openenv/<env id>` (its server; the paths are
+    relative to it), read from this module's routes: each route's docstring describes its answer."""
+    schemas: dict[str, Any] = {}
+    for model in (ReflowAction, ReflowObservation, ReflowState):
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}), **{model.__name__: schema})
+    paths: dict[str, Any] = {}
+    for route in router.routes:
+        path = route.path.removeprefix(router.prefix)
+        if not isinstance(route, APIRoute) or path == "/openapi.json":
+            continue
+        for method in sorted(route.methods):
+            paths.setdefault(path, {})[method.lower()] = {
+                "operationId": route.name,
+                "responses": {"200": {"description": route.endpoint.__doc__ or route.name}},
+            }
+    properties = {
+        key: {"$ref": f"#/components/schemas/Reflow{key.title()}"}
+        for key in ("action", "observation", "state")
+    }
+    paths["/schema"]["get"]["responses"]["200"]["content"] = {
+        "application/json": {"schema": {"type": "object", "properties": properties}}
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": f"ReFlow env {env_id} (OpenEnv protocol)",
+            "version": OPENENV_HTTP_VERSION,
+            "description": "Episodes are played over the `/ws` WebSocket (OpenEnv's session protocol: "
+            "reset, step, state, close); OpenEnv's stateless /reset, /step and /state are not served.",
+        },
+        "servers": [{"url": f"/openenv/{env_id}"}],
+        "paths": paths,
+        "components": {"schemas": schemas},
+    }
 
 
 @router.websocket("/ws")
