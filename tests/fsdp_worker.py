@@ -2,7 +2,7 @@
 
     fsdp_worker.py RANK WORLD PORT OUT [N_ROWS MICRO_BATCH_TOKENS [AGG ROWS]]
 
-ROWS is "plain" (`_rows`, sync mode), "capped" (`_capped_rows`, off-policy, some tokens capped) or
+ROWS is "plain" (`_rows`, sync mode), "lora" (`_rows` with LoRA adapters, two steps), "capped" (`_capped_rows`, off-policy, some tokens capped) or
 "m2" (`_capped_rows(moderate=True)` with the M2 trust region).
 """
 
@@ -36,7 +36,8 @@ def main(
         rows = _rows(n_rows + n_rows % 2)[:n_rows]
     rows = [rows[i] for i in shard_groups([len(r.segment.token_ids) for r in rows], world)[rank]]
     grads = _capture_grads(trainer)  # the reduced gradient, unsharded (a collective on every rank)
-    metrics = trainer.train_step(rows)
+    for _ in range(2 if kind == "lora" else 1):  # LoRA's B starts at 0: A's gradient is 0 at first
+        metrics = trainer.train_step(rows)
     state = trainer.full_state_dict()
     if rank == 0:
         torch.save({"state": state, "metrics": metrics, "grads": grads}, out)

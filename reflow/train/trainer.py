@@ -19,6 +19,10 @@ Several ranks: `reflow.train.distributed.init_distributed` starts a gloo (CPU) o
 the model is sharded with FSDP2 (`fully_shard`, one unit per decoder layer); each rank trains on its
 share of the rows.
 
+LoRA (`TrainerConfig.lora`): peft adapters are injected into the model in place (`reflow.train.lora`),
+the base weights are frozen and AdamW holds the adapters alone; `full_state_dict` and the checkpoints
+carry the adapters only.
+
 Normalisation: before a mini-batch's first micro-batch the trainer adds up, over every rank, the loss's
 denominator (its loss-mask tokens, or its rows for `seq_mean_token_mean`), and each micro-batch's loss
 is its sum over that count (`losses.policy_loss`): the gradient is a function of the mini-batch's rows
@@ -47,6 +51,7 @@ from reflow.replay import UseStats
 from reflow.train.distributed import all_gather, shard_model
 from reflow.train.group_stats import GroupSums, row_sums
 from reflow.train.logprobs import logprobs_from_logits, pad_segments, token_logprobs
+from reflow.train.lora import adapter_state_dict, apply_lora, check_adapters, has_adapters, is_adapter
 from reflow.train.losses import (
     engine_gap_stats,
     loss_denominator,
@@ -114,10 +119,16 @@ class PolicyTrainer:
         self.model = model
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.lora = self.cfg.lora
+        self.base_path = str(getattr(model, "name_or_path", "") or "")
+        """The base model's folder (where the model was loaded from): LoRA checkpoints name it."""
+        if self.lora is not None and not has_adapters(model):
+            apply_lora(model, self.lora, seed=self.cfg.seed)  # base frozen: only the adapters train
         if self.world_size > 1:
             shard_model(model)
-        decay = [p for p in model.parameters() if p.ndim >= 2]
-        no_decay = [p for p in model.parameters() if p.ndim < 2]
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        decay = [p for p in trainable if p.ndim >= 2]
+        no_decay = [p for p in trainable if p.ndim < 2]
         self.optimizer = torch.optim.AdamW(
             [
                 {"params": decay, "weight_decay": self.cfg.weight_decay},
@@ -343,12 +354,17 @@ class PolicyTrainer:
         return float(t.item())
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded CPU weights for the engines (collective under FSDP: call on every rank)."""
+        """Unsharded CPU weights for the engines (collective under FSDP: call on every rank); under
+        LoRA the adapters alone (the base never changes: every engine has it)."""
         if self.world_size > 1:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            return get_model_state_dict(self.model, options=options)
+            lora = self.lora is not None
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora)
+            state = get_model_state_dict(self.model, options=options)
+            return {k: v for k, v in state.items() if is_adapter(k)} if lora else state
+        if self.lora is not None:
+            return adapter_state_dict(self.model)
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
     def optimizer_state(self) -> dict[str, Any]:
@@ -370,11 +386,14 @@ class PolicyTrainer:
             set_optimizer_state_dict,
         )
 
-        options = StateDictOptions(full_state_dict=True)
+        lora = self.lora is not None
+        if lora:  # the adapters alone: the base is the trainer's own
+            check_adapters(self.model, model_state)
+        options = StateDictOptions(full_state_dict=True, strict=not lora)
         if self.world_size > 1:
             set_model_state_dict(self.model, model_state, options=options)
         else:
-            self.model.load_state_dict(model_state)
+            self.model.load_state_dict(model_state, strict=not lora)
         by_index = any(isinstance(k, int) for k in optim_state.get("state", {}))
         if by_index and self.world_size == 1:
             self.optimizer.load_state_dict(optim_state)
