@@ -2,8 +2,12 @@
 
 It launches `python -m sglang.launch_server` or attaches to running servers, and speaks the native
 routes: `/generate` with `input_ids` (token-in-token-out, `return_logprob`), `/update_weights_from_disk`,
-`/update_weights_from_tensor`, `/pause_generation`, `/continue_generation`, `/abort_request`,
-`/flush_cache`, `/health`. Requests go to the server with the fewest requests in flight.
+`/update_weights_from_tensor`, `/load_lora_adapter`, `/unload_lora_adapter`, `/pause_generation`,
+`/continue_generation`, `/abort_request`, `/flush_cache`, `/health`. Requests go to the server with the
+fewest requests in flight.
+
+LoRA (`model.lora`): the servers keep the base model and each policy arrives as an adapter folder,
+loaded under a new name (`/load_lora_adapter`) that every request then names (`lora_path`).
 
 Per-token versions: a weight update aborts the requests in flight on the servers
 (`abort_all_requests`), and `generate` resubmits each one with its exact token prefix (prompt + what
@@ -32,12 +36,16 @@ from typing import Any
 import httpx
 
 from reflow.engine.base import EngineError, FinishReason, GenerateResult, SamplingParams
+from reflow.models.adapters import is_adapter_folder
 
 TOP_K_ALL = 1 << 30  # SGLang's "no top-k filter"
 
 
-def generate_payload(input_ids: list[int], params: SamplingParams, rid: str) -> dict[str, Any]:
-    """The `/generate` body for one request (a `GenerateReqInput`)."""
+def generate_payload(
+    input_ids: list[int], params: SamplingParams, rid: str, adapter: str | None = None
+) -> dict[str, Any]:
+    """The `/generate` body for one request (a `GenerateReqInput`); `adapter`: the name of the LoRA
+    adapter to generate with (None: the model alone)."""
     sampling: dict[str, Any] = {
         "max_new_tokens": params.max_new_tokens,
         "temperature": params.temperature,
@@ -52,7 +60,7 @@ def generate_payload(input_ids: list[int], params: SamplingParams, rid: str) -> 
         sampling["stop_token_ids"] = list(params.stop_token_ids)
     if params.seed is not None:
         sampling["sampling_seed"] = params.seed
-    return {
+    payload = {
         "rid": rid,
         "input_ids": list(input_ids),
         "sampling_params": sampling,
@@ -60,6 +68,9 @@ def generate_payload(input_ids: list[int], params: SamplingParams, rid: str) -> 
         "logprob_start_len": -1,  # logprobs of the output only
         "stream": False,
     }
+    if adapter is not None:
+        payload["lora_path"] = adapter  # a loaded adapter's name (`load_lora_payload`)
+    return payload
 
 
 def update_from_disk_payload(path: str, version: int) -> dict[str, Any]:
@@ -82,6 +93,23 @@ def update_from_tensor_payload(serialized: list[str], version: int) -> dict[str,
         "flush_cache": True,
         "abort_all_requests": True,
     }
+
+
+def load_lora_payload(name: str, path: str) -> dict[str, Any]:
+    """The `/load_lora_adapter` body (a `LoadLoRAAdapterReqInput`): the adapter folder at `path` (peft's
+    format, `reflow.models.adapters`) loaded under `name`, which requests then name (`generate_payload`)."""
+    return {"lora_name": name, "lora_path": path}
+
+
+def unload_lora_payload(name: str) -> dict[str, Any]:
+    """The `/unload_lora_adapter` body (an `UnloadLoRAAdapterReqInput`)."""
+    return {"lora_name": name}
+
+
+def lora_launch_args(rank: int, target_modules: list[str]) -> list[str]:
+    """`sglang.launch_server` arguments for serving adapters loaded later (`/load_lora_adapter`): their
+    largest rank and target modules must be known when the server starts."""
+    return ["--enable-lora", "--max-lora-rank", str(rank), "--lora-target-modules", *target_modules]
 
 
 def abort_payload(rid: str | None) -> dict[str, Any]:
@@ -129,6 +157,18 @@ def parse_generate_response(body: dict[str, Any], fallback_version: int) -> Gene
     )
 
 
+KEEP_ADAPTERS = 2
+"""LoRA adapters an engine keeps loaded: the current one and the one before it."""
+
+
+def _raise_failed(results: list[Any], what: str) -> None:
+    """EngineError when a server answered an update with success false."""
+    failed = [r for r in results if isinstance(r, dict) and r.get("success") is False]
+    if failed:
+        message = failed[0].get("message") or failed[0].get("error_message")
+        raise EngineError(f"SGLang {what} failed: {message}")
+
+
 @dataclass
 class _Server:
     url: str
@@ -161,6 +201,8 @@ class SGLangEngine:
         self._updates_done = 0
         self._user_aborted: set[str] = set()
         self._parts: dict[str, str] = {}  # request id -> the server rid of its current part
+        self._adapter: tuple[str, int] | None = None  # LoRA: the adapter requests name, its version
+        self._adapters: list[str] = []  # the adapters loaded on the servers, oldest first
 
     @classmethod
     def launch(
@@ -235,13 +277,18 @@ class SGLangEngine:
         try:
             while True:
                 remaining = params.max_new_tokens - len(out_ids)
-                updates_before, version_before = self._updates_done, self._version
+                updates_before, version_before, adapter = self._updates_done, self._version, self._adapter
                 part_rid = rid if part is None else f"{rid}.{len(out_ids)}"  # unique per part
                 self._parts[rid] = part_rid
                 body = await self._generate_part(
-                    [*input_ids, *out_ids], replace(params, max_new_tokens=remaining), part_rid
+                    [*input_ids, *out_ids],
+                    replace(params, max_new_tokens=remaining),
+                    part_rid,
+                    adapter[0] if adapter else None,
                 )
                 part = parse_generate_response(body, version_before)
+                if adapter is not None:  # the servers' own version is the base's: the adapter's counts
+                    part = replace(part, weight_version=adapter[1])
                 out_ids += part.output_ids
                 logprobs += part.logprobs
                 versions += [part.weight_version] * len(part.output_ids)
@@ -275,12 +322,14 @@ class SGLangEngine:
             meta=meta,
         )
 
-    async def _generate_part(self, input_ids: list[int], params: SamplingParams, rid: str) -> Any:
+    async def _generate_part(
+        self, input_ids: list[int], params: SamplingParams, rid: str, adapter: str | None
+    ) -> Any:
         server = min(self.servers, key=lambda s: s.in_flight)
         server.in_flight += 1
         server.rids.add(rid)
         try:
-            return await self._post(server, "/generate", generate_payload(input_ids, params, rid))
+            return await self._post(server, "/generate", generate_payload(input_ids, params, rid, adapter))
         finally:
             server.in_flight -= 1
             server.rids.discard(rid)
@@ -304,8 +353,10 @@ class SGLangEngine:
         rewind: bool = False,
     ) -> int:
         """From a checkpoint folder every server can read, or from tensors (same host: CUDA IPC handles).
-        Updates run one at a time; a `version` older than the engine's raises ValueError unless
-        `rewind` (loading older weights on purpose), as `TorchEngine.update_weights` does."""
+        A folder of LoRA adapters (`reflow.models.adapters`) is loaded as an adapter instead
+        (`_load_adapter`), on servers launched for them (`lora_launch_args`). Updates run one at a
+        time; a `version` older than the engine's raises ValueError unless `rewind` (loading older
+        weights on purpose), as `TorchEngine.update_weights` does."""
         if (state_dict is None) == (path is None):
             raise ValueError("update_weights needs exactly one of a state_dict or a path")
         async with self._updating:
@@ -315,6 +366,9 @@ class SGLangEngine:
                     f"weight version {new_version} is older than the engine's ({self._version}): refused "
                     "(pass rewind=True to load older weights on purpose)"
                 )
+            if path is not None and is_adapter_folder(path):
+                await self._load_adapter(path, new_version)
+                return new_version
             try:
                 if path is not None:
                     results = await self._all(
@@ -334,11 +388,25 @@ class SGLangEngine:
                 # update failed (they may have aborted them anyway): every request aborted in between
                 # sees the count move and is resubmitted, on whatever weights the servers then hold.
                 self._updates_done += 1
-            failed = [r for r in results if isinstance(r, dict) and r.get("success") is False]
-            if failed:
-                raise EngineError(f"SGLang weight update failed: {failed[0].get('message')}")
+            _raise_failed(results, "weight update")
             self._version = new_version
             return new_version
+
+    async def _load_adapter(self, path: str, version: int) -> None:
+        """LoRA: load the adapters at `path` on every server under a new name, switch new requests to
+        it, then abort the requests in flight, which `generate` resubmits with it (as after a weight
+        update: each token keeps the version of the adapter that sampled it). The adapter before
+        stays loaded (a part sent just before the switch may still name it); older ones are unloaded."""
+        name = f"reflow-{uuid.uuid4().hex[:12]}-v{version}"  # unique: servers may be shared, versions rewound
+        _raise_failed(await self._all("/load_lora_adapter", load_lora_payload(name, path)), "LoRA load")
+        self._adapters.append(name)
+        self._adapter, self._version = (name, version), version
+        try:
+            await self._all("/abort_request", abort_payload(None))
+        finally:
+            self._updates_done += 1  # as for a weight update: aborted parts see it and resubmit
+        while len(self._adapters) > KEEP_ADAPTERS:
+            await self._all("/unload_lora_adapter", unload_lora_payload(self._adapters.pop(0)))
 
     async def pause(self, mode: str = "abort") -> None:
         await self._all("/pause_generation", pause_payload(mode))
