@@ -39,21 +39,21 @@ import math
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from reflow.records import Segment
 from reflow.replay import UseStats
+from reflow.train.batch import TrainRow, equalize_micro_batches
 from reflow.train.distributed import all_gather, shard_model
 from reflow.train.group_stats import GroupSums, row_sums
 from reflow.train.logprobs import logprobs_from_logits, pad_segments, token_logprobs
 from reflow.train.lora import adapter_state_dict, apply_lora, check_adapters, has_adapters, is_adapter
 from reflow.train.losses import (
     engine_gap_stats,
+    loglinear_prox,
     loss_denominator,
     policy_loss,
     second_moment_threshold,
@@ -71,19 +71,6 @@ __all__ = [
     "equalize_micro_batches",
     "loglinear_prox",
 ]
-
-
-@dataclass
-class TrainRow:
-    """One training row: a segment of an episode and that episode's (group-relative) advantage."""
-
-    segment: Segment
-    advantage: float
-    group_id: str = ""
-    version: int = 0
-    """The oldest policy version among the row's sampled tokens (its staleness; `batch.oldest_version`)."""
-    replayed: bool = False
-    """The row's group was trained on by an earlier step (for `LossConfig.replay_clip`)."""
 
 
 _VALID_STATS = ("clip_frac", "replay_clip_frac", "w_mean")
@@ -399,32 +386,3 @@ class PolicyTrainer:
             self.optimizer.load_state_dict(optim_state)
         else:
             set_optimizer_state_dict(self.model, self.optimizer, optim_state, options=options)
-
-
-def equalize_micro_batches(batches: list[list[TrainRow]], target: int, pad_id: int) -> list[list[TrainRow]]:
-    """`target` micro-batches from `batches`: under FSDP2 every forward and backward gathers the
-    sharded parameters collectively, so every rank must run the same number of them, whatever its
-    share of the rows. Splits the largest micro-batches first, then adds dummy rows that carry no loss
-    token (a rank with fewer rows than the others, or none)."""
-    out = [list(b) for b in batches if b]
-    while len(out) < target:
-        big = max(range(len(out)), key=lambda i: len(out[i]), default=None)
-        if big is not None and len(out[big]) > 1:
-            rows = out.pop(big)
-            out += [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
-        else:
-            dummy = Segment(0)
-            dummy.extend_prompt([pad_id, pad_id])  # prompt tokens only: loss mask 0 everywhere
-            out.append([TrainRow(dummy, 0.0)])
-    return out
-
-
-def loglinear_prox(
-    behav_logp: torch.Tensor, theta_logp: torch.Tensor, versions: torch.Tensor, prox_version: int
-) -> torch.Tensor:
-    """Approximate prox log-probs between the behaviour and current ones, by each token's staleness:
-    alpha = (v_prox - v_behav) / (v_prox + 1 - v_behav), 0 for a token sampled by the prox weights
-    themselves, towards 1 the staler it is. Off the sampled tokens (versions -1) the value is unused."""
-    lag = (prox_version - versions).clamp(min=0).to(theta_logp.dtype)
-    alpha = lag / (lag + 1.0)
-    return behav_logp + alpha * (theta_logp - behav_logp)
