@@ -45,7 +45,8 @@ def build_engine(config: RunConfig, model_path: str, index: int) -> tuple[Any, A
 
     from transformers import AutoTokenizer
 
-    from reflow.engine.sglang_engine import SGLangEngine, lora_launch_args
+    from reflow.engine.sglang_engine import SGLangEngine
+    from reflow.engine.sglang_requests import lora_launch_args
     from reflow.models.adapters import base_model_path
     from reflow.models.presets import resolve_model_path
 

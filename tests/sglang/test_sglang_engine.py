@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from reflow.engine import EngineError, SamplingParams
-from reflow.engine.sglang_engine import (
-    SGLangEngine,
+from reflow.engine.sglang_engine import SGLangEngine
+from reflow.engine.sglang_requests import (
     abort_payload,
     generate_payload,
     parse_generate_response,

@@ -10,8 +10,8 @@ import pytest
 from test_sglang_engine import check_generate, check_struct, io, sglang_run
 
 from reflow.engine import SamplingParams
-from reflow.engine.sglang_engine import (
-    KEEP_ADAPTERS,
+from reflow.engine.sglang_engine import KEEP_ADAPTERS
+from reflow.engine.sglang_requests import (
     generate_payload,
     load_lora_payload,
     lora_launch_args,
