@@ -131,6 +131,10 @@ async def test_weight_sync_of_the_adapters_makes_the_engine_generate_as_the_merg
         got, want = await engine.generate(ids, greedy(16)), await merged.generate(ids, greedy(16))
         assert got.output_ids == want.output_ids != before.output_ids
         assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-4)
+        await engine.update_weights(state_dict={k: torch.zeros_like(v) for k, v in adapters.items()})
+        assert (await engine.generate(ids, greedy(16))).output_ids == before.output_ids  # the base again
+        await engine.update_weights(path=str(ckpt))  # the checkpoint's adapters, from disk
+        assert (await engine.generate(ids, greedy(16))).output_ids == want.output_ids
     finally:
         await engine.close()
         await merged.close()

@@ -27,15 +27,15 @@ import torch
 
 from reflow.models.adapters import (
     ADAPTER_CONFIG,
+    ADAPTER_NAME,
     ADAPTER_WEIGHTS,
     adapter_config,
     base_model_path,
     is_adapter_folder,
+    read_adapter_weights,
+    to_peft_keys,
 )
 from reflow.train.settings import LoraSettings
-
-ADAPTER_NAME = "default"  # peft's name for a model's only adapter
-_PEFT_PREFIX = "base_model.model."  # a PeftModel's prefix of the wrapped model's names
 
 
 def peft_config(settings: LoraSettings) -> Any:
@@ -82,23 +82,6 @@ def adapter_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if is_adapter(n)}
 
 
-def to_peft_keys(adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our names to peft's file format: `model.layers.0.self_attn.q_proj.lora_A.default.weight` is
-    `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` there."""
-    return {_PEFT_PREFIX + k.replace(f".{ADAPTER_NAME}.", "."): v for k, v in adapters.items()}
-
-
-def from_peft_keys(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The inverse of `to_peft_keys`."""
-    out = {}
-    for key, value in tensors.items():
-        name = key.removeprefix(_PEFT_PREFIX)
-        for part in (".lora_A.", ".lora_B."):
-            name = name.replace(part, f"{part}{ADAPTER_NAME}.")
-        out[name] = value
-    return out
-
-
 def save_adapters(
     folder: str | Path, adapters: dict[str, torch.Tensor], settings: LoraSettings, base: str | Path
 ) -> Path:
@@ -118,7 +101,6 @@ def save_adapters(
 
 def read_adapters(folder: str | Path) -> tuple[dict[str, torch.Tensor], LoraSettings]:
     """(adapters by our names, their settings) of an adapter folder."""
-    from safetensors.torch import load_file
 
     config = adapter_config(folder)
     settings = LoraSettings(
@@ -127,7 +109,7 @@ def read_adapters(folder: str | Path) -> tuple[dict[str, torch.Tensor], LoraSett
         dropout=float(config.get("lora_dropout") or 0.0),
         target_modules=sorted(config["target_modules"]),
     )
-    return from_peft_keys(load_file(str(Path(folder) / ADAPTER_WEIGHTS))), settings
+    return read_adapter_weights(folder), settings
 
 
 def load_lora_model(

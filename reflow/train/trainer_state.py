@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from reflow.models.weights import load_state_dict
-from reflow.train.lora import read_adapters, save_adapters
+from reflow.train.lora import save_adapters
 from reflow.train.trainer import PolicyTrainer
 
 STATE_FILE = "state.json"
@@ -92,13 +92,10 @@ def read_state(path: str | Path) -> dict[str, Any]:
 def load_checkpoint(path: str | Path, trainer: PolicyTrainer) -> dict[str, Any]:
     """Restore weights, optimizer, step/version and RNG; returns the `extra` dict saved with it."""
     path = Path(path)
-    if trainer.lora is not None:
-        model_state, _ = read_adapters(path)  # the trainer checks they are its adapters
-    else:
-        model_state = load_state_dict(path)
-        tied = getattr(trainer.model.config, "tie_word_embeddings", False)
-        if tied and "lm_head.weight" not in model_state:
-            model_state["lm_head.weight"] = model_state["model.embed_tokens.weight"]
+    model_state = load_state_dict(path)  # a LoRA checkpoint's adapters (the trainer checks they fit)
+    tied = trainer.lora is None and getattr(trainer.model.config, "tie_word_embeddings", False)
+    if tied and "lm_head.weight" not in model_state:
+        model_state["lm_head.weight"] = model_state["model.embed_tokens.weight"]
     optim_state = torch.load(path / "optimizer.pt", weights_only=False)
     trainer.load_state(model_state, optim_state)
     rng = torch.load(path / "rng.pt", weights_only=False)
