@@ -140,7 +140,7 @@ async def test_weight_sync_of_the_adapters_makes_the_engine_generate_as_the_merg
         await merged.close()
 
 
-def test_apply_lora_starts_every_copy_from_the_same_adapters_and_the_same_outputs():
+def test_apply_lora_starts_every_copy_from_the_same_float32_adapters_and_the_same_outputs():
     a, b = small_qwen3(seed=0), small_qwen3(seed=0)
     ids = torch.tensor([[1, 5, 9, 3]])
     with torch.no_grad():
@@ -151,3 +151,9 @@ def test_apply_lora_starts_every_copy_from_the_same_adapters_and_the_same_output
     assert all(torch.equal(v, adapter_state_dict(b)[k]) for k, v in adapter_state_dict(a).items())
     with torch.no_grad():
         assert torch.equal(a(ids).logits, plain)  # B = 0: the same model until trained
+    half = apply_lora(small_qwen3(seed=0).to(torch.bfloat16), LORA)
+    dtypes = {n: p.dtype for n, p in half.named_parameters()}
+    assert {d for n, d in dtypes.items() if is_adapter(n)} == {torch.float32}  # trained in float32
+    assert {d for n, d in dtypes.items() if not is_adapter(n)} == {torch.bfloat16}
+    with torch.no_grad():
+        assert half(ids).logits.dtype == torch.bfloat16

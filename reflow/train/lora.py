@@ -54,8 +54,10 @@ def peft_config(settings: LoraSettings) -> Any:
 def apply_lora(model: torch.nn.Module, settings: LoraSettings, seed: int = 0) -> torch.nn.Module:
     """Inject fresh adapters into `model` in place and freeze everything else; returns `model`. B
     starts at zero, so the model computes what it did; A is drawn from `seed` alone, so every FSDP
-    rank (and every engine) starts from the same adapters. ValueError when no module matches."""
+    rank (and every engine) starts from the same adapters; they are float32 whatever the base's
+    dtype. ValueError when no module matches."""
     from peft import inject_adapter_in_model
+    from peft.tuners.tuners_utils import cast_adapter_dtype
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -63,6 +65,9 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings, seed: int = 0) ->
             inject_adapter_in_model(peft_config(settings), model, adapter_name=ADAPTER_NAME)
         except ValueError as e:
             raise ValueError(f"model.lora.target_modules {settings.target_modules}: {e}") from None
+    # Adapters of a bf16/fp16 base in float32, as `peft.get_peft_model` makes them: AdamW's small steps
+    # on the adapters would round away in bf16 (the layer casts its input to the adapters' dtype)
+    cast_adapter_dtype(model, adapter_name=ADAPTER_NAME, autocast_adapter_dtype=True)
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
     return model
