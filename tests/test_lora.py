@@ -60,23 +60,34 @@ def test_lora_refuses_targets_the_model_lacks(base):
 
 
 @pytest.mark.slow
-def test_fsdp2_two_ranks_match_one_rank_under_lora(tmp_path):
+@pytest.mark.parametrize("kind", ["lora", "lora-bf16"])
+def test_fsdp2_two_ranks_match_one_rank_under_lora(tmp_path, kind):
     """Two gloo ranks sharding a model whose base is frozen take the steps one rank takes: the same
-    adapter gradients, the base untouched on both."""
-    sharded = _two_ranks(tmp_path, 8, 16384, "token_mean", "lora")
-    single = PolicyTrainer(_model(), 0, _config(rows="lora"))
+    adapter gradients, the base untouched on both; also on a bf16 base, whose float32 adapters make
+    each FSDP unit hold two dtypes."""
+    sharded = _two_ranks(tmp_path, 8, 16384, "token_mean", kind)
+    model = _model().to(torch.bfloat16) if kind == "lora-bf16" else _model()
+    single = PolicyTrainer(model, 0, _config(rows=kind))
     grads = _capture_grads(single)
     frozen = _base_weights(single.model)
     for _ in range(2):
         metrics = single.train_step(_rows(8))
     assert set(sharded["state"]) == set(adapter_state_dict(single.model))  # adapters only, unsharded
-    assert sharded["metrics"]["loss"] == pytest.approx(metrics["loss"], abs=1e-5)
-    assert set(sharded["grads"]) == set(grads)
-    for name, grad in grads.items():
-        assert torch.allclose(sharded["grads"][name], grad, atol=1e-6), name
+    assert all(torch.equal(v, frozen[n]) for n, v in _base_weights(single.model).items())
+    # Adam's first steps are ~lr * sign(grad): gradients that are float noise may flip, no more than that
     for key, value in adapter_state_dict(single.model).items():
         assert torch.allclose(sharded["state"][key], value, atol=2.5e-2), key
-    assert all(torch.equal(v, frozen[n]) for n, v in _base_weights(single.model).items())
+    assert set(sharded["grads"]) == set(grads)
+    assert all(g.dtype == torch.float32 for g in sharded["grads"].values())  # the adapters' own dtype
+    if kind == "lora-bf16":  # bf16 forwards over other row sets round otherwise: a few % per tensor
+        assert sharded["metrics"]["loss"] == pytest.approx(metrics["loss"], abs=1e-3)
+        flat = torch.cat([grads[n].flatten() for n in sorted(grads)])
+        got = torch.cat([sharded["grads"][n].flatten() for n in sorted(grads)])
+        assert float((got - flat).norm() / flat.norm()) < 0.05  # a wrong gather or reduction: ~100%
+    else:
+        assert sharded["metrics"]["loss"] == pytest.approx(metrics["loss"], abs=1e-5)
+        for name, grad in grads.items():
+            assert torch.allclose(sharded["grads"][name], grad, atol=1e-6), name
 
 
 def test_a_checkpoint_holds_the_adapters_resumes_them_and_loads_merged(base, tmp_path):

@@ -64,12 +64,12 @@ another set (a rank that skipped the gathering would drop other tokens)."""
 
 
 def _config(micro_batch_tokens: int = 16384, agg: str = "token_mean", rows: str = "plain") -> TrainerConfig:
-    """The tests' trainer settings; `rows="lora"` trains `_rows` with LoRA adapters; `rows="capped"` trains `_capped_rows` off-policy (the engine's
+    """The tests' trainer settings; `rows="lora"` (or "lora-bf16") trains `_rows` with LoRA adapters; `rows="capped"` trains `_capped_rows` off-policy (the engine's
     log-probs as behaviour) with no gradient clipping, so raw gradients compare; `rows="m2"` the same
     on `_capped_rows(moderate=True)` with the M2 trust region at `M2_TAU`."""
     capped = rows in ("capped", "m2")
     return TrainerConfig(
-        lora=LoraSettings(r=4, alpha=8.0) if rows == "lora" else None,
+        lora=LoraSettings(r=4, alpha=8.0) if rows.startswith("lora") else None,
         lr=1e-2,
         bf16=False,
         micro_batch_tokens=micro_batch_tokens,
