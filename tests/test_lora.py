@@ -54,9 +54,12 @@ def test_a_lora_step_trains_only_the_adapters_and_the_optimizer_holds_only_them(
     assert set(trainer.full_state_dict()) == set(after)  # what weight sync sends: the adapters alone
 
 
-def test_lora_refuses_targets_the_model_lacks(base):
+def test_lora_refuses_targets_the_model_lacks_and_names_peft_when_it_is_missing(base, monkeypatch):
     with pytest.raises(ValueError, match=r"model.lora.target_modules \['qkv'\]"):
         _trainer(*base, lora=LoraSettings(target_modules=["qkv"]))
+    monkeypatch.setitem(__import__("sys").modules, "peft", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"model.lora needs peft: pip install 'reflow-rl\[train\]'"):
+        apply_lora(small_qwen3(), LORA)
 
 
 @pytest.mark.slow

@@ -39,8 +39,11 @@ from reflow.train.settings import LoraSettings
 
 
 def peft_config(settings: LoraSettings) -> Any:
-    """peft's `LoraConfig` for `settings`."""
-    from peft import LoraConfig
+    """peft's `LoraConfig` for `settings`; ImportError naming the extra when peft is not installed."""
+    try:
+        from peft import LoraConfig
+    except ImportError as e:
+        raise ImportError(f"model.lora needs peft: pip install 'reflow-rl[train]' ({e})") from None
 
     return LoraConfig(
         r=settings.r,
@@ -56,13 +59,14 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings, seed: int = 0) ->
     starts at zero, so the model computes what it did; A is drawn from `seed` alone, so every FSDP
     rank (and every engine) starts from the same adapters; they are float32 whatever the base's
     dtype. ValueError when no module matches."""
+    config = peft_config(settings)  # first: it names the extra when peft is missing
     from peft import inject_adapter_in_model
     from peft.tuners.tuners_utils import cast_adapter_dtype
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
-            inject_adapter_in_model(peft_config(settings), model, adapter_name=ADAPTER_NAME)
+            inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
         except ValueError as e:
             raise ValueError(f"model.lora.target_modules {settings.target_modules}: {e}") from None
     # Adapters of a bf16/fp16 base in float32, as `peft.get_peft_model` makes them: AdamW's small steps
