@@ -55,7 +55,7 @@ def build_engine(config: RunConfig, model_path: str, index: int) -> tuple[Any, A
     path = str(base_model_path(resolve_model_path(model_path)) if lora else resolve_model_path(model_path))
     tokenizer = AutoTokenizer.from_pretrained(path)  # token-in-token-out: the worker tokenizes
     e = config.engine
-    if e.urls:  # servers started for adapters if model.lora is set (`sglang_engine.lora_launch_args`)
+    if e.urls:  # servers started for adapters if model.lora is set (`sglang_requests.lora_launch_args`)
         return SGLangEngine(e.urls), tokenizer
     assert e.launch_port is not None  # the config validator allows only urls or launch_port
     args = list(e.launch_args)

@@ -12,7 +12,7 @@ unchanged; the adapters are its parameters whose names hold `.lora_A.` or `.lora
 engines inject the same way, so adapter names match on both sides and a weight sync copies them by
 name (`reflow.engine.weights.copy_weights`). On disk an adapter folder is peft's own format
 (`adapter_config.json` naming the base folder, `adapter_model.safetensors` keyed as a `PeftModel`'s),
-which `peft.PeftModel.from_pretrained` and SGLang's `/load_lora_adapter` read; the folder also holds
+which `peft.PeftModel.from_pretrained` and SGLang's `/load_lora_adapter` read; a checkpoint's also holds
 the base's `config.json` and the tokenizer, so it is a model folder the rest of the project accepts
 (`reflow.models.load_model` merges it).
 """
@@ -110,7 +110,6 @@ def save_adapters(
 
 def read_adapters(folder: str | Path) -> tuple[dict[str, torch.Tensor], LoraSettings]:
     """(adapters by our names, their settings) of an adapter folder."""
-
     config = adapter_config(folder)
     settings = LoraSettings(
         r=int(config["r"]),
