@@ -49,7 +49,7 @@ def main() -> None:
                 "resources.threads_per_slot=1",
             ],
         )
-        model_path = str(resolve_model_path(config.model, **config.model_overrides))
+        model_path = str(resolve_model_path(config.model.name, **config.model_overrides))
         ray.init(num_cpus=len(slots) + 1, include_dashboard=False, log_to_driver=False)
         cluster = Cluster(config, model_path, Path(tmp))
         events: dict[str, list[dict]] = {"to_train": [], "to_rollout": []}
@@ -68,7 +68,7 @@ def main() -> None:
             cluster.shutdown()
             ray.shutdown()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"model {config.model} ({args.config}), slots {args.slots}, {args.rounds} rounds, "
+    print(f"model {config.model.name} ({args.config}), slots {args.slots}, {args.rounds} rounds, "
           f"{os.cpu_count()} cores, load average {load}")  # fmt: skip
     for direction, rows in events.items():
         cells = []

@@ -41,7 +41,7 @@ from reflow.policy.dual_cycle import CycleConfig
 from reflow.policy.elastic import ElasticConfig
 from reflow.policy.tail import TailConfig
 from reflow.policy.task_selection import LearnabilityConfig
-from reflow.train.settings import LossConfig, TrainerConfig
+from reflow.train.settings import LoraSettings, LossConfig, TrainerConfig
 from reflow.wandb_sink import WandbConfig
 
 
@@ -193,10 +193,12 @@ class LossSection(_fields_of(LossConfig)):
     """`train.loss:`, the policy loss: the fields of `reflow.train.settings.LossConfig`."""
 
 
-class TrainSection(_fields_of(TrainerConfig, exclude=("loss", "behaviour_is_prox", "temperature", "seed"))):
+class TrainSection(
+    _fields_of(TrainerConfig, exclude=("loss", "behaviour_is_prox", "temperature", "seed", "lora"))
+):
     """`train:`, the RL phase: its length, checkpoints, advantages and loss, and the trainer's settings
     (the fields of `reflow.train.settings.TrainerConfig`; `trainer_config` adds the ones the mode, the
-    rollout temperature and the run's seed decide)."""
+    rollout temperature, the run's seed and `model.lora` decide)."""
 
     steps: int = Field(100, gt=0, description="train steps; sync rounds without reward spread count too")
     seconds: float | None = Field(
@@ -216,9 +218,13 @@ class TrainSection(_fields_of(TrainerConfig, exclude=("loss", "behaviour_is_prox
     checkpoint_every: int = Field(5, gt=0, description="a checkpoint every this many steps (and at the end)")
     keep_checkpoints: int = Field(2, gt=0, description="the newest this many checkpoints are kept")
 
-    def trainer_config(self, *, behaviour_is_prox: bool, temperature: float, seed: int) -> TrainerConfig:
+    def trainer_config(
+        self, *, behaviour_is_prox: bool, temperature: float, seed: int, lora: LoraSettings | None = None
+    ) -> TrainerConfig:
         """The trainer's settings: this section's, and those the run decides elsewhere."""
-        return self._settings(behaviour_is_prox=behaviour_is_prox, temperature=temperature, seed=seed)
+        return self._settings(
+            behaviour_is_prox=behaviour_is_prox, temperature=temperature, seed=seed, lora=lora
+        )
 
 
 class EvalSection(_Section):
@@ -428,6 +434,37 @@ class LogSection(_Section):
     )
 
 
+class LoraSection(_fields_of(LoraSettings)):
+    """`model.lora:`, LoRA adapters on the frozen policy (the fields of
+    `reflow.train.settings.LoraSettings`)."""
+
+    def settings(self) -> LoraSettings:
+        return self._settings()
+
+
+SHORTHANDS = {"model": "name"}
+"""Sections that may be given as one value: `model: tiny` is `model: {name: tiny}`."""
+
+
+class ModelSection(_Section):
+    """`model:`, the policy: a name (`model: tiny` is short for `model: {name: tiny}`) and LoRA."""
+
+    name: str = Field("tiny", description="a preset (tiny, smollm2-135m) or a local HF folder")
+    lora: LoraSection | None = Field(
+        None,
+        description="LoRA adapters (r, alpha, dropout, target_modules) trained on the frozen model, which "
+        "the engines receive alone; None (the default): every weight trains",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        return {"name": data} if isinstance(data, str) else data
+
+    def lora_settings(self) -> LoraSettings | None:
+        return self.lora.settings() if self.lora is not None else None
+
+
 class RunConfig(_Section):
     run_name: str = "run"
     mode: Literal["sync", "async", "reflow"] = Field(
@@ -435,7 +472,7 @@ class RunConfig(_Section):
     )
     seed: int = 0
     out_dir: str = "runs"
-    model: str = Field("tiny", description="a preset (tiny, smollm2-135m) or a local HF folder")
+    model: ModelSection = Field(default_factory=ModelSection, description="the policy and its LoRA adapters")
     model_overrides: dict[str, Any] = Field(
         default_factory=dict, description="config overrides for a preset, e.g. {num_hidden_layers: 3}"
     )
@@ -498,10 +535,21 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         node = data
         for part in path[:-1]:
             child = node.setdefault(part, {})
+            if node is data and part in SHORTHANDS and isinstance(child, str):
+                child = node[part] = {SHORTHANDS[part]: child}  # `model: tiny`, then `model.lora.r=8`
             if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
             node = child
-        node[path[-1]] = value
+        key = path[-1]
+        if (
+            node is data
+            and key in SHORTHANDS
+            and isinstance(node.get(key), dict)
+            and not isinstance(value, dict)
+        ):
+            node[key][SHORTHANDS[key]] = value  # `model=x` names the model, keeping its other keys
+        else:
+            node[key] = value
     return data
 
 

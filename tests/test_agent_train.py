@@ -1,6 +1,6 @@
 """`reflow agent-train` end to end on Ray (sync mode, CPU): weights change, engines follow the trainer's
-versions, stored trajectories carry them; SIGKILL mid-run and `--resume` continue without losing any
-acknowledged trajectory."""
+versions, stored trajectories carry them (also with LoRA adapters alone, `model.lora`); SIGKILL mid-run
+and `--resume` continue without losing any acknowledged trajectory."""
 
 import json
 import os
@@ -124,6 +124,43 @@ def test_sync_steps_on_ray_update_weights_versions_and_store(tmp_path, ray_env, 
     (written,) = [r for r in evals if r["kind"] == "summary"]
     assert {k: wandb_run["summary"][k] for k in summary} == {k: written[k] for k in summary}
     assert wandb_run["exit_code"] == 0
+
+
+def test_a_lora_run_on_ray_trains_the_adapters_checkpoints_them_and_resumes(tmp_path, ray_env):
+    """`reflow agent-train` with `model.lora` (sync mode, one trainer rank): the engines sample each
+    step with the trainer's previous adapters, checkpoints are adapter folders, and a resumed run
+    carries on from their adapters."""
+    from reflow.models import load_model
+    from reflow.models.adapters import is_adapter_folder
+    from reflow.recipes.agent_train import train
+    from reflow.train.lora import is_adapter, read_adapters
+    from reflow.train.trainer_state import latest_checkpoint
+
+    config = load_config(
+        None, [*BASE, f"out_dir={tmp_path}", "run_name=lora", "train.steps=2", "model.lora.r=4"]
+    )
+    train(config)
+    run_dir = tmp_path / "lora"
+    first = latest_checkpoint(run_dir / "checkpoints")
+    assert is_adapter_folder(first) and first.name == "step-000002"
+    adapters, settings = read_adapters(first)
+    assert settings.r == 4 and any(v.abs().sum() > 0 for k, v in adapters.items() if ".lora_B." in k)
+
+    resumed = load_config(run_dir / "config.yaml", ["train.steps=3"])
+    assert resumed.model.lora.r == 4
+    train(resumed, resume=True)
+    last = latest_checkpoint(run_dir / "checkpoints")
+    assert last.name == "step-000003"
+    moved, _ = read_adapters(last)
+    assert any(not torch.equal(moved[k], adapters[k]) for k in adapters)
+    assert [s["step"] for s in _steps(run_dir)] == [1, 2, 3]
+    with ReplayStore(run_dir / "replay.sqlite", "lora") as store:
+        groups = store.fresh() + store.replayable(current_version=99, tau_max=99, max_reuse=99)
+        consumed = [g for g in groups if g.consumed]
+        assert {g.last_step for g in consumed} == {1, 2, 3}
+        assert all(g.policy_version == g.last_step - 1 for g in consumed)  # the synced adapters' version
+    merged, _ = load_model(last)  # evaluation and export read it as a plain model
+    assert not any(is_adapter(n) for n, _ in merged.named_parameters())
 
 
 def _groups_in(db: Path) -> set[str]:

@@ -38,6 +38,27 @@ def test_round_trip_through_yaml(tmp_path):
     assert load_config(path) == config
 
 
+def test_model_is_a_name_or_a_section_with_lora_off_by_default(tmp_path):
+    plain = load_config(None, ["env.id=reflow/Calc-v0", "model=smollm2-135m"])
+    assert (plain.model.name, plain.model.lora, plain.model.lora_settings()) == ("smollm2-135m", None, None)
+    lora = load_config(
+        None, ["env.id=reflow/Calc-v0", "model.lora.r=4", "model.lora.target_modules=[q_proj]"]
+    )
+    assert lora.model.name == "tiny"
+    settings = lora.model.lora_settings()
+    assert (settings.r, settings.alpha, settings.target_modules) == (4, 32.0, ["q_proj"])
+    trainer = lora.train.trainer_config(behaviour_is_prox=True, temperature=1.0, seed=0, lora=settings)
+    assert trainer.lora == settings
+    # a file's `model: tiny` takes LoRA keys from overrides, and `model=x` keeps a file's LoRA
+    path = tmp_path / "c.yaml"
+    path.write_text("env: {id: reflow/Calc-v0}\nmodel: tiny\n")
+    assert load_config(path, ["model.lora.r=2"]).model.lora.r == 2
+    path.write_text(dump_config(lora))
+    renamed = load_config(path, ["model=smollm2-135m"])
+    assert (renamed.model.name, renamed.model.lora.r) == ("smollm2-135m", 4)
+    assert load_config(path) == lora
+
+
 def test_an_env_id_of_a_namespace_is_accepted():
     config = load_config(None, ["env.id=openenv/echo", "env.kwargs={url: http://127.0.0.1:1}"])
     assert config.env.id == "openenv/echo"
@@ -87,6 +108,11 @@ def test_an_env_id_of_a_namespace_is_accepted():
         ),
         (["env.id=reflow/Calc-v0", "mode=sync", "elastic.enabled=true"], "elastic.enabled applies to the"),
         (["env.id=reflow/Calc-v0", "mode=sync", "tail.enabled=true"], "tail.enabled applies to the"),
+        (["env.id=reflow/Calc-v0", "model.lora.r=0"], "r must be >= 1"),
+        (["env.id=reflow/Calc-v0", "model.lora.dropout=1"], "dropout must be in [0, 1)"),
+        (["env.id=reflow/Calc-v0", "model.lora.target_modules=[]"], "target_modules must be a non-empty"),
+        (["env.id=reflow/Calc-v0", "model.lora.rank=8"], "model.lora.rank: unknown key"),
+        (["env.id=reflow/Calc-v0", "model.lora={r: 8, alpha: -1}"], "alpha must be > 0"),
     ],
 )
 def test_bad_configs_name_the_key(overrides, message):

@@ -182,7 +182,7 @@ def ray_env(monkeypatch):
 def _model_path(config) -> str:
     from reflow.models.presets import resolve_model_path
 
-    return str(resolve_model_path(config.model, **config.model_overrides))
+    return str(resolve_model_path(config.model.name, **config.model_overrides))
 
 
 def _generate(cluster, worker: int, seeds: list[int]) -> list:
@@ -243,13 +243,16 @@ def _fresh_group_step(config, model_path, replay, state, group_ids, step):
 
 
 @pytest.mark.slow
-def test_role_changes_both_ways_keep_groups_versions_and_gradients(tmp_path, ray_env):
+@pytest.mark.parametrize("lora", [[], ["model.lora.r=4"]], ids=["full", "lora"])
+def test_role_changes_both_ways_keep_groups_versions_and_gradients(tmp_path, ray_env, lora):
+    """Also under LoRA, where the weights and Adam moments that move are the adapters'."""
     import ray
 
     from reflow.runtime.cluster import Cluster
 
     ray.init(num_cpus=6, include_dashboard=False)
-    config = load_config(None, [*BASE, f"out_dir={tmp_path}", "resources.slots=[rollout, rollout, train]"])
+    slots = "resources.slots=[rollout, rollout, train]"
+    config = load_config(None, [*BASE, f"out_dir={tmp_path}", slots, *lora])
     model_path = _model_path(config)
     cluster = Cluster(config, model_path, tmp_path)
     try:
@@ -266,6 +269,7 @@ def test_role_changes_both_ways_keep_groups_versions_and_gradients(tmp_path, ray
             ray.get(cluster.replay.begin_group.remote(g, 1))
         in_flight = {cluster.rollout[1].generate.remote([10, 11], ids): ids}
         pre_move = _full_state(cluster)
+        assert all(".lora_" in k for k in pre_move[0]) == bool(lora)  # LoRA: the adapters alone
         change = cluster.move(1, "train", in_flight)
         assert change.roles == cluster.roles() == ["rollout", "train", "train"]
         assert (change.from_role, change.to_role, change.version) == ("rollout", "train", 1)

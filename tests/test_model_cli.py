@@ -42,17 +42,17 @@ def small_model(tmp_path_factory):
     )
 
 
-@pytest.fixture(scope="module")
-def checkpoint(small_model, tmp_path_factory):
-    """A real trainer checkpoint one RL step away from `small_model` (weights, optimizer, RNG, state)."""
+def _trained_checkpoint(model_dir, root: Path, lora=None, lr: float = 5e-2) -> Path:
+    """A real trainer checkpoint one RL step away from `model_dir` (weights or LoRA adapters,
+    optimizer, RNG, state)."""
     from reflow.models import load_model
     from reflow.records import Segment
     from reflow.train.settings import TrainerConfig
     from reflow.train.trainer import PolicyTrainer, TrainRow
     from reflow.train.trainer_state import save_checkpoint
 
-    model, tokenizer = load_model(small_model)
-    trainer = PolicyTrainer(model, tokenizer.pad_token_id, TrainerConfig(lr=5e-2, bf16=False))
+    model, tokenizer = load_model(model_dir)
+    trainer = PolicyTrainer(model, tokenizer.pad_token_id, TrainerConfig(lr=lr, bf16=False, lora=lora))
     rng = random.Random(0)
     rows = []
     for adv in (1.0, -1.0, 1.0, -1.0):
@@ -61,8 +61,12 @@ def checkpoint(small_model, tmp_path_factory):
         seg.extend_sampled([rng.randrange(10, 500) for _ in range(5)], [-6.0] * 5, [0] * 5)
         rows.append(TrainRow(seg, adv))
     trainer.train_step(rows)
-    root = tmp_path_factory.mktemp("run") / "checkpoints"
     return save_checkpoint(root, trainer, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(small_model, tmp_path_factory):
+    return _trained_checkpoint(small_model, tmp_path_factory.mktemp("run") / "checkpoints")
 
 
 def _config(tmp_path: Path, model: str, **env_kwargs) -> Path:
@@ -166,8 +170,6 @@ def test_export_writes_a_folder_plain_transformers_loads_and_that_generates_the_
 ):
     from safetensors.torch import load_file
 
-    from reflow.engine import SamplingParams
-    from reflow.engine.torch_engine import TorchEngine
     from reflow.models import load_model
 
     out_dir = tmp_path / "exported"
@@ -184,19 +186,31 @@ def test_export_writes_a_folder_plain_transformers_loads_and_that_generates_the_
     assert all((exported[k] == trained[k]).all() for k in exported)
     assert any(not (exported[k] == base[k]).all() for k in exported)  # the trained weights, not the base
 
-    # A fresh interpreter with transformers alone: no reflow import, no hub.
+    model, tokenizer = load_model(checkpoint)
+    _generates_as_in_torch_engine(out_dir, model, tokenizer)
+
+    # a non-empty target is refused in one line unless --overwrite
+    assert "pass --overwrite" in fails("export", str(checkpoint), str(out_dir))
+    ok("export", str(checkpoint), str(out_dir), "--overwrite")
+    assert (out_dir / "model.safetensors").is_file() and not (tmp_path / ".exported.tmp").exists()
+
+
+def _generates_as_in_torch_engine(out_dir: Path, model, tokenizer) -> None:
+    """A fresh interpreter with transformers alone (no reflow import, no hub) loads `out_dir` and its
+    greedy tokens for a chat prompt are what TorchEngine generates with `model`."""
+    from reflow.engine import SamplingParams
+    from reflow.engine.torch_engine import TorchEngine
+
     env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
     proc = subprocess.run(
         [sys.executable, "-I", "-c", GENERATE, str(out_dir)],
         capture_output=True,
         text=True,
         env=env,
-        cwd=tmp_path,
+        cwd=out_dir.parent,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     served = json.loads(proc.stdout.strip().splitlines()[-1])
-
-    model, tokenizer = load_model(checkpoint)
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is 12 + 30?"}], add_generation_prompt=True, tokenize=True
     )
@@ -214,7 +228,27 @@ def test_export_writes_a_folder_plain_transformers_loads_and_that_generates_the_
     ours = asyncio.run(greedy())
     assert ours and served["completion"][: len(ours)] == ours
 
-    # a non-empty target is refused in one line unless --overwrite
-    assert "pass --overwrite" in fails("export", str(checkpoint), str(out_dir))
-    ok("export", str(checkpoint), str(out_dir), "--overwrite")
-    assert (out_dir / "model.safetensors").is_file() and not (tmp_path / ".exported.tmp").exists()
+
+@pytest.mark.slow
+def test_export_of_a_lora_checkpoint_is_the_merged_model_generating_as_the_runs_engine(small_model, tmp_path):
+    """A `model.lora` checkpoint holds adapters only; its export is base + adapters merged, which plain
+    transformers runs and which generates what a rollout engine of that run (base + live adapters)
+    generates."""
+    from safetensors.torch import load_file
+
+    from reflow.train.lora import load_lora_model
+    from reflow.train.settings import LoraSettings
+
+    lora = LoraSettings(r=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"])
+    ckpt = _trained_checkpoint(small_model, tmp_path / "checkpoints", lora=lora, lr=0.2)
+    assert not list(ckpt.glob("model*.safetensors"))  # adapters only
+    out_dir = tmp_path / "exported"
+    ok("export", str(ckpt), str(out_dir))
+    names = {p.name for p in out_dir.iterdir()}
+    assert "model.safetensors" in names and not any(n.startswith("adapter") for n in names)
+    exported = load_file(out_dir / "model.safetensors")
+    base = load_file(Path(small_model) / "model.safetensors")
+    assert not any("lora" in k for k in exported) and exported.keys() <= base.keys()
+    assert any(not (exported[k] == base[k]).all() for k in exported)  # the adapters are merged in
+    engine_model, tokenizer = load_lora_model(ckpt, lora)  # how the run's engines hold it
+    _generates_as_in_torch_engine(out_dir, engine_model, tokenizer)

@@ -11,6 +11,7 @@ from reflow.records import EpisodeRecord, Segment
 from reflow.replay import StoredGroup
 from reflow.train.batch import rows_from_groups, shard_groups, trained_before
 from reflow.train.losses import LossConfig
+from reflow.train.settings import LoraSettings
 from reflow.train.trainer import PolicyTrainer, TrainerConfig, TrainRow
 from reflow.train.trainer_state import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 
@@ -63,11 +64,12 @@ another set (a rank that skipped the gathering would drop other tokens)."""
 
 
 def _config(micro_batch_tokens: int = 16384, agg: str = "token_mean", rows: str = "plain") -> TrainerConfig:
-    """The tests' trainer settings; `rows="capped"` trains `_capped_rows` off-policy (the engine's
+    """The tests' trainer settings; `rows="lora"` (or "lora-bf16") trains `_rows` with LoRA adapters; `rows="capped"` trains `_capped_rows` off-policy (the engine's
     log-probs as behaviour) with no gradient clipping, so raw gradients compare; `rows="m2"` the same
     on `_capped_rows(moderate=True)` with the M2 trust region at `M2_TAU`."""
     capped = rows in ("capped", "m2")
     return TrainerConfig(
+        lora=LoraSettings(r=4, alpha=8.0) if rows.startswith("lora") else None,
         lr=1e-2,
         bf16=False,
         micro_batch_tokens=micro_batch_tokens,
@@ -87,6 +89,7 @@ def _capture_grads(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
             {
                 n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
                 for n, p in trainer.model.named_parameters()
+                if p.requires_grad  # a frozen (LoRA base) weight has none
             }
         )
         return step(*args, **kwargs)

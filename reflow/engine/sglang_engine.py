@@ -2,8 +2,12 @@
 
 It launches `python -m sglang.launch_server` or attaches to running servers, and speaks the native
 routes: `/generate` with `input_ids` (token-in-token-out, `return_logprob`), `/update_weights_from_disk`,
-`/update_weights_from_tensor`, `/pause_generation`, `/continue_generation`, `/abort_request`,
-`/flush_cache`, `/health`. Requests go to the server with the fewest requests in flight.
+`/update_weights_from_tensor`, `/load_lora_adapter`, `/unload_lora_adapter`, `/pause_generation`,
+`/continue_generation`, `/abort_request`, `/flush_cache`, `/health`. Requests go to the server with the
+fewest requests in flight.
+
+LoRA (`model.lora`): the servers keep the base model and each policy arrives as an adapter folder,
+loaded under a new name (`/load_lora_adapter`) that every request then names (`lora_path`).
 
 Per-token versions: a weight update aborts the requests in flight on the servers
 (`abort_all_requests`), and `generate` resubmits each one with its exact token prefix (prompt + what
@@ -12,9 +16,9 @@ old version and the rest the new one (`meta["token_versions"]`, as `TorchEngine`
 loss weighs every token against the policy that sampled it. The resubmission re-prefills the prefix
 (`meta["reprefill_tokens"]`); a stop string that would straddle the split is not matched.
 
-SGLang needs a GPU, so this module never imports sglang at module level; the request bodies are
-checked against sglang's own request classes in `tests/sglang/`, and `scripts/sglang_e2e.py` exercises
-a real server on a GPU machine. Logprobs: SGLang returns log_softmax(logits / temperature) for sampled
+SGLang needs a GPU, so this module never imports sglang at module level; the request bodies
+(`reflow.engine.sglang_requests`) are checked against sglang's own request classes in `tests/sglang/`,
+and `scripts/sglang_e2e.py` exercises a real server on a GPU machine. Logprobs: SGLang returns log_softmax(logits / temperature) for sampled
 requests (greedy: unscaled), which is the `GenerateResult` contract.
 """
 
@@ -31,102 +35,29 @@ from typing import Any
 
 import httpx
 
-from reflow.engine.base import EngineError, FinishReason, GenerateResult, SamplingParams
+from reflow.engine.base import EngineError, GenerateResult, SamplingParams
+from reflow.engine.sglang_requests import (
+    abort_payload,
+    generate_payload,
+    load_lora_payload,
+    parse_generate_response,
+    pause_payload,
+    unload_lora_payload,
+    update_from_disk_payload,
+    update_from_tensor_payload,
+)
+from reflow.models.adapters import is_adapter_folder
 
-TOP_K_ALL = 1 << 30  # SGLang's "no top-k filter"
-
-
-def generate_payload(input_ids: list[int], params: SamplingParams, rid: str) -> dict[str, Any]:
-    """The `/generate` body for one request (a `GenerateReqInput`)."""
-    sampling: dict[str, Any] = {
-        "max_new_tokens": params.max_new_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k if params.top_k > 0 else TOP_K_ALL,
-        "skip_special_tokens": False,
-        "no_stop_trim": True,  # keep the text the ids say, stop string included
-    }
-    if params.stop:
-        sampling["stop"] = list(params.stop)
-    if params.stop_token_ids:
-        sampling["stop_token_ids"] = list(params.stop_token_ids)
-    if params.seed is not None:
-        sampling["sampling_seed"] = params.seed
-    return {
-        "rid": rid,
-        "input_ids": list(input_ids),
-        "sampling_params": sampling,
-        "return_logprob": True,
-        "logprob_start_len": -1,  # logprobs of the output only
-        "stream": False,
-    }
+KEEP_ADAPTERS = 2
+"""LoRA adapters an engine keeps loaded: the current one and the one before it."""
 
 
-def update_from_disk_payload(path: str, version: int) -> dict[str, Any]:
-    """The `/update_weights_from_disk` body (an `UpdateWeightFromDiskReqInput`). Requests in flight are
-    aborted first, so none spans the update (`SGLangEngine.generate` resubmits them)."""
-    return {
-        "model_path": path,
-        "weight_version": str(version),
-        "abort_all_requests": True,
-        "flush_cache": True,
-    }
-
-
-def update_from_tensor_payload(serialized: list[str], version: int) -> dict[str, Any]:
-    """The `/update_weights_from_tensor` body (an `UpdateWeightsFromTensorReqInput`); one entry per TP
-    rank. Requests in flight are aborted first, as for `update_from_disk_payload`."""
-    return {
-        "serialized_named_tensors": serialized,
-        "weight_version": str(version),
-        "flush_cache": True,
-        "abort_all_requests": True,
-    }
-
-
-def abort_payload(rid: str | None) -> dict[str, Any]:
-    """The `/abort_request` body (an `AbortReq`); no rid aborts everything."""
-    return {"rid": rid} if rid else {"rid": "", "abort_all": True}
-
-
-def pause_payload(mode: str = "abort") -> dict[str, Any]:
-    """The `/pause_generation` body (a `PauseGenerationReqInput`): abort | retract | in_place."""
-    if mode not in ("abort", "retract", "in_place"):
-        raise ValueError(f"pause mode must be abort, retract or in_place, got {mode!r}")
-    return {"mode": mode}
-
-
-def parse_generate_response(body: dict[str, Any], fallback_version: int) -> GenerateResult:
-    """A `/generate` response (`output_ids` + `meta_info`) as a GenerateResult."""
-    meta = body.get("meta_info") or {}
-    output_ids = list(body.get("output_ids") or [])
-    entries = meta.get("output_token_logprobs") or []
-    if len(entries) != len(output_ids):
-        raise EngineError(f"SGLang returned {len(output_ids)} ids but {len(entries)} logprobs")
-    logprobs = []
-    for (logprob, token_id, *_), expected in zip(entries, output_ids, strict=True):
-        if token_id != expected:
-            raise EngineError(
-                f"SGLang logprob entry for token {token_id} does not match output id {expected}"
-            )
-        logprobs.append(float(logprob))
-    reason = meta.get("finish_reason") or {}
-    kind = reason.get("type") if isinstance(reason, dict) else reason
-    finish: FinishReason = kind if kind in ("stop", "length", "abort") else "stop"
-    version = meta.get("weight_version")
-    try:
-        version = int(version)
-    except (TypeError, ValueError):
-        version = fallback_version
-    return GenerateResult(
-        output_ids=output_ids,
-        logprobs=logprobs,
-        finish_reason=finish,
-        weight_version=version,
-        prompt_tokens=int(meta.get("prompt_tokens", 0)),
-        matched_stop=reason.get("matched") if isinstance(reason, dict) else None,
-        meta={"id": meta.get("id"), "cached_tokens": meta.get("cached_tokens")},
-    )
+def _raise_failed(results: list[Any], what: str) -> None:
+    """EngineError when a server answered an update with success false."""
+    failed = [r for r in results if isinstance(r, dict) and r.get("success") is False]
+    if failed:
+        message = failed[0].get("message") or failed[0].get("error_message")
+        raise EngineError(f"SGLang {what} failed: {message}")
 
 
 @dataclass
@@ -161,6 +92,8 @@ class SGLangEngine:
         self._updates_done = 0
         self._user_aborted: set[str] = set()
         self._parts: dict[str, str] = {}  # request id -> the server rid of its current part
+        self._adapter: tuple[str, int] | None = None  # LoRA: the adapter requests name, its version
+        self._adapters: list[str] = []  # the adapters loaded on the servers, oldest first
 
     @classmethod
     def launch(
@@ -235,13 +168,18 @@ class SGLangEngine:
         try:
             while True:
                 remaining = params.max_new_tokens - len(out_ids)
-                updates_before, version_before = self._updates_done, self._version
+                updates_before, version_before, adapter = self._updates_done, self._version, self._adapter
                 part_rid = rid if part is None else f"{rid}.{len(out_ids)}"  # unique per part
                 self._parts[rid] = part_rid
                 body = await self._generate_part(
-                    [*input_ids, *out_ids], replace(params, max_new_tokens=remaining), part_rid
+                    [*input_ids, *out_ids],
+                    replace(params, max_new_tokens=remaining),
+                    part_rid,
+                    adapter[0] if adapter else None,
                 )
                 part = parse_generate_response(body, version_before)
+                if adapter is not None:  # the servers' own version is the base's: the adapter's counts
+                    part = replace(part, weight_version=adapter[1])
                 out_ids += part.output_ids
                 logprobs += part.logprobs
                 versions += [part.weight_version] * len(part.output_ids)
@@ -275,12 +213,14 @@ class SGLangEngine:
             meta=meta,
         )
 
-    async def _generate_part(self, input_ids: list[int], params: SamplingParams, rid: str) -> Any:
+    async def _generate_part(
+        self, input_ids: list[int], params: SamplingParams, rid: str, adapter: str | None
+    ) -> Any:
         server = min(self.servers, key=lambda s: s.in_flight)
         server.in_flight += 1
         server.rids.add(rid)
         try:
-            return await self._post(server, "/generate", generate_payload(input_ids, params, rid))
+            return await self._post(server, "/generate", generate_payload(input_ids, params, rid, adapter))
         finally:
             server.in_flight -= 1
             server.rids.discard(rid)
@@ -304,8 +244,10 @@ class SGLangEngine:
         rewind: bool = False,
     ) -> int:
         """From a checkpoint folder every server can read, or from tensors (same host: CUDA IPC handles).
-        Updates run one at a time; a `version` older than the engine's raises ValueError unless
-        `rewind` (loading older weights on purpose), as `TorchEngine.update_weights` does."""
+        A folder of LoRA adapters (`reflow.models.adapters`) is loaded as an adapter instead
+        (`_load_adapter`), on servers launched for them (`lora_launch_args`). Updates run one at a
+        time; a `version` older than the engine's raises ValueError unless `rewind` (loading older
+        weights on purpose), as `TorchEngine.update_weights` does."""
         if (state_dict is None) == (path is None):
             raise ValueError("update_weights needs exactly one of a state_dict or a path")
         async with self._updating:
@@ -315,6 +257,9 @@ class SGLangEngine:
                     f"weight version {new_version} is older than the engine's ({self._version}): refused "
                     "(pass rewind=True to load older weights on purpose)"
                 )
+            if path is not None and is_adapter_folder(path):
+                await self._load_adapter(path, new_version)
+                return new_version
             try:
                 if path is not None:
                     results = await self._all(
@@ -334,11 +279,25 @@ class SGLangEngine:
                 # update failed (they may have aborted them anyway): every request aborted in between
                 # sees the count move and is resubmitted, on whatever weights the servers then hold.
                 self._updates_done += 1
-            failed = [r for r in results if isinstance(r, dict) and r.get("success") is False]
-            if failed:
-                raise EngineError(f"SGLang weight update failed: {failed[0].get('message')}")
+            _raise_failed(results, "weight update")
             self._version = new_version
             return new_version
+
+    async def _load_adapter(self, path: str, version: int) -> None:
+        """LoRA: load the adapters at `path` on every server under a new name, switch new requests to
+        it, then abort the requests in flight, which `generate` resubmits with it (as after a weight
+        update: each token keeps the version of the adapter that sampled it). The adapter before
+        stays loaded (a part sent just before the switch may still name it); older ones are unloaded."""
+        name = f"reflow-{uuid.uuid4().hex[:12]}-v{version}"  # unique: servers may be shared, versions rewound
+        _raise_failed(await self._all("/load_lora_adapter", load_lora_payload(name, path)), "LoRA load")
+        self._adapters.append(name)
+        self._adapter, self._version = (name, version), version
+        try:
+            await self._all("/abort_request", abort_payload(None))
+        finally:
+            self._updates_done += 1  # as for a weight update: aborted parts see it and resubmit
+        while len(self._adapters) > KEEP_ADAPTERS:
+            await self._all("/unload_lora_adapter", unload_lora_payload(self._adapters.pop(0)))
 
     async def pause(self, mode: str = "abort") -> None:
         await self._all("/pause_generation", pause_payload(mode))

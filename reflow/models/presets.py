@@ -112,6 +112,8 @@ def load_model(
     **preset_kwargs: Any,
 ) -> tuple[Any, Any]:
     """Load (model, tokenizer) for a preset or a local HF folder; the model is in eval mode on `device`.
+    A folder of LoRA adapters (a checkpoint of a `model.lora` run, `reflow.models.adapters`) gives its
+    base model with the adapters merged in, a plain model (for evaluation and export).
 
     `dtype` defaults to float32 on CPU (bf16 matmuls are slow there and logprobs must match the trainer's)
     and to the checkpoint's own dtype elsewhere.
@@ -119,10 +121,17 @@ def load_model(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from reflow.models.adapters import base_model_path, is_adapter_folder, merge_adapters
+
     path = resolve_model_path(name_or_path, **preset_kwargs)
     if dtype is None:
         dtype = torch.float32 if str(device).startswith("cpu") else "auto"
+    base = base_model_path(path)
     with quiet_progress_bars():
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(
+            path if (path / "tokenizer_config.json").is_file() else base
+        )
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+        if is_adapter_folder(path):
+            model = merge_adapters(model, path)
     return model.to(device).eval(), tokenizer

@@ -8,7 +8,12 @@ from typing import Any
 
 
 def load_state_dict(path: Path) -> dict[str, Any]:
-    """Read a checkpoint: a `.safetensors` / `.pt` / `.bin` file, or a folder of them (an HF folder)."""
+    """Read a checkpoint: a `.safetensors` / `.pt` / `.bin` file, or a folder of them (an HF folder); of a
+    folder of LoRA adapters, the adapters (`reflow.models.adapters`)."""
+    from reflow.models.adapters import is_adapter_folder, read_adapter_weights
+
+    if is_adapter_folder(path):
+        return read_adapter_weights(path)
     if path.is_dir():
         files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin")) or sorted(path.glob("*.pt"))
         if not files:

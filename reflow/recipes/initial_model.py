@@ -34,7 +34,7 @@ def warmstart_key(config: RunConfig) -> str:
 
     blob = {
         "env": config.env.id,  # demonstrations use warmstart.demo_env_kwargs, never env.kwargs
-        "model": config.model,
+        "model": config.model.name,
         "overrides": config.model_overrides,
         "warmstart": config.warmstart.model_dump(exclude={"cache"}),
         # with no curriculum in the config, the env's own one shapes the demos: key on it too
@@ -70,7 +70,7 @@ def run_warmstart(config: RunConfig, log: RunLog) -> str:
     )
     summary = warmstart(
         config.env.id,
-        config.model,
+        config.model.name,
         tmp,
         demos=ws.demos,
         error_rate=ws.error_rate,
@@ -108,7 +108,7 @@ def prepare_model(
     if config.warmstart.enabled:
         return run_warmstart(config, log), RunState(), None
     overrides: dict[str, Any] = dict(config.model_overrides)
-    return str(resolve_model_path(config.model, **overrides)), RunState(), None
+    return str(resolve_model_path(config.model.name, **overrides)), RunState(), None
 
 
 TRAINER_ONLY = ("optimizer.pt", "rng.pt")

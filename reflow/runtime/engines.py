@@ -7,6 +7,10 @@ per worker (`engine.launch_port` + the worker's index). The worker writes each n
 Face folder under `engine.weights_dir` and the servers load it with `/update_weights_from_disk`: a path
 that works wherever the server can read the worker's disk (the same node), with no CUDA IPC between
 processes and no NCCL group to set up.
+
+With `model.lora` the weights are the adapters alone: the torch engine holds the base with adapters
+injected as the trainer's (`reflow.train.lora`) and copies them in; the SGLang servers hold the base
+and load each policy as an adapter folder (`/load_lora_adapter`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from reflow.config import RunConfig
+from reflow.train.settings import LoraSettings
 
 
 def _is_weights(name: str) -> bool:
@@ -25,25 +30,38 @@ def _is_weights(name: str) -> bool:
 
 def build_engine(config: RunConfig, model_path: str, index: int) -> tuple[Any, Any]:
     """(engine, tokenizer) for rollout worker `index`."""
+    lora = config.model.lora_settings()
     if config.engine.kind == "torch":
         from reflow.engine.torch_engine import TorchEngine
         from reflow.models import load_model
+        from reflow.train.lora import load_lora_model
 
-        model, tokenizer = load_model(model_path, device=config.resources.device)
+        device = config.resources.device
+        if lora is None:
+            model, tokenizer = load_model(model_path, device=device)
+        else:  # adapters on the base, as the trainer's: weight sync copies the trainer's into them
+            model, tokenizer = load_lora_model(model_path, lora, device=device, seed=config.seed)
         return TorchEngine(model, tokenizer, max_batch_size=config.rollout.max_batch_size), tokenizer
 
     from transformers import AutoTokenizer
 
     from reflow.engine.sglang_engine import SGLangEngine
+    from reflow.engine.sglang_requests import lora_launch_args
+    from reflow.models.adapters import base_model_path
     from reflow.models.presets import resolve_model_path
 
-    path = str(resolve_model_path(model_path))
+    # LoRA: the servers hold the base, and the policies arrive as adapters (`load_policy`); a resumed
+    # run's adapters come with the first weight sync
+    path = str(base_model_path(resolve_model_path(model_path)) if lora else resolve_model_path(model_path))
     tokenizer = AutoTokenizer.from_pretrained(path)  # token-in-token-out: the worker tokenizes
     e = config.engine
-    if e.urls:
+    if e.urls:  # servers started for adapters if model.lora is set (`sglang_requests.lora_launch_args`)
         return SGLangEngine(e.urls), tokenizer
     assert e.launch_port is not None  # the config validator allows only urls or launch_port
-    return SGLangEngine.launch(path, ports=[e.launch_port + index], extra_args=e.launch_args), tokenizer
+    args = list(e.launch_args)
+    if lora is not None and "--enable-lora" not in args:
+        args += lora_launch_args(lora.r, lora.target_modules)
+    return SGLangEngine.launch(path, ports=[e.launch_port + index], extra_args=args), tokenizer
 
 
 def weights_dir(config: RunConfig, index: int) -> Path:
@@ -51,17 +69,28 @@ def weights_dir(config: RunConfig, index: int) -> Path:
     return root / f"worker-{index}"
 
 
-def write_policy(state_dict: dict[str, Any], model_path: str, out: Path) -> Path:
+def write_policy(
+    state_dict: dict[str, Any], model_path: str, out: Path, lora: LoraSettings | None = None
+) -> Path:
     """Write `state_dict` as a loadable Hugging Face folder at `out` (config and tokenizer files copied
-    from `model_path`); written to a sibling first and renamed, so a reader never sees half a folder."""
+    from `model_path`), or with `lora` as an adapter folder on `model_path`'s base (`state_dict`: the
+    adapters); written to a sibling first and renamed, so a reader never sees half a folder."""
     from safetensors.torch import save_file
 
+    from reflow.models.adapters import base_model_path
     from reflow.models.presets import resolve_model_path
 
     src = Path(resolve_model_path(model_path))
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    if lora is not None:
+        from reflow.train.lora import save_adapters
+
+        save_adapters(tmp, state_dict, lora, base=base_model_path(src))
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+        return out
     for f in src.iterdir():
         if f.is_file() and not _is_weights(f.name):  # config, generation config, tokenizer, template
             shutil.copy2(f, tmp / f.name)
@@ -91,7 +120,7 @@ async def load_policy(
     if version < engine.weight_version and not rewind:  # refused before writing a folder for nothing
         raise ValueError(f"weight version {version} is older than the engine's ({engine.weight_version})")
     root = weights_dir(config, index)
-    folder = write_policy(state_dict, model_path, root / f"v{version:06d}")
+    folder = write_policy(state_dict, model_path, root / f"v{version:06d}", config.model.lora_settings())
     new_version = await engine.update_weights(path=str(folder.resolve()), version=version, rewind=rewind)
     for old in root.glob("v*"):  # the servers hold the weights now; keep only the newest folder
         if old != folder:

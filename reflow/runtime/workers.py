@@ -266,6 +266,7 @@ class TrainerRank:
 
         from reflow.models import load_model
         from reflow.train.distributed import init_distributed
+        from reflow.train.lora import load_lora_model
         from reflow.train.trainer import PolicyTrainer
 
         hf_logging.disable_progress_bar()  # a progress bar per checkpoint save is noise in the run log
@@ -277,11 +278,18 @@ class TrainerRank:
                 raise ValueError("several trainer ranks need the rank-0 address")
             backend = "nccl" if config.resources.device == "cuda" else "gloo"
             init_distributed(self.rank, self.world_size, master[0], master[1], backend)
-        model, self.tokenizer = load_model(self.model_path, device=config.resources.device)
+        lora = config.model.lora_settings()
+        if lora is None:
+            model, self.tokenizer = load_model(self.model_path, device=config.resources.device)
+        else:  # the base with adapters (a resumed run's own; the checkpoint or `load_full_state` follows)
+            model, self.tokenizer = load_lora_model(
+                self.model_path, lora, device=config.resources.device, seed=config.seed
+            )
         settings = config.train.trainer_config(
             behaviour_is_prox=config.mode == "sync" and not config.train.engine_correction,
             temperature=config.rollout.temperature or 1.0,
             seed=config.seed,
+            lora=lora,
         )
         self.trainer = PolicyTrainer(model, self.tokenizer.pad_token_id, settings)
 

@@ -1,4 +1,5 @@
-"""From stored trajectory groups to training rows.
+"""From stored trajectory groups to training rows (`TrainRow`), and the rows' split over FSDP ranks
+(`shard_groups`) and into the same number of micro-batches on every rank (`equalize_micro_batches`).
 
 Each episode contributes one row per segment, carrying the episode's group-relative advantage (fixed
 when the group was stored, so a replayed group trains with the same advantages). Infra-error episodes
@@ -8,11 +9,24 @@ are masked out: an engine or sandbox failure says nothing about the policy, so i
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from reflow.records import Segment
 from reflow.replay import StoredGroup
 from reflow.train.advantages import valid_for_training
-from reflow.train.trainer import TrainRow
+
+
+@dataclass
+class TrainRow:
+    """One training row: a segment of an episode and that episode's (group-relative) advantage."""
+
+    segment: Segment
+    advantage: float
+    group_id: str = ""
+    version: int = 0
+    """The oldest policy version among the row's sampled tokens (its staleness; `batch.oldest_version`)."""
+    replayed: bool = False
+    """The row's group was trained on by an earlier step (for `LossConfig.replay_clip`)."""
 
 
 def trained_before(group: StoredGroup, step: int) -> bool:
@@ -54,3 +68,21 @@ def shard_groups(sizes: Sequence[int], world_size: int) -> list[list[int]]:
         shards[rank].append(i)
         load[rank] += sizes[i]
     return [sorted(s) for s in shards]
+
+
+def equalize_micro_batches(batches: list[list[TrainRow]], target: int, pad_id: int) -> list[list[TrainRow]]:
+    """`target` micro-batches from `batches`: under FSDP2 every forward and backward gathers the
+    sharded parameters collectively, so every rank must run the same number of them, whatever its
+    share of the rows. Splits the largest micro-batches first, then adds dummy rows that carry no loss
+    token (a rank with fewer rows than the others, or none)."""
+    out = [list(b) for b in batches if b]
+    while len(out) < target:
+        big = max(range(len(out)), key=lambda i: len(out[i]), default=None)
+        if big is not None and len(out[big]) > 1:
+            rows = out.pop(big)
+            out += [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
+        else:
+            dummy = Segment(0)
+            dummy.extend_prompt([pad_id, pad_id])  # prompt tokens only: loss mask 0 everywhere
+            out.append([TrainRow(dummy, 0.0)])
+    return out

@@ -230,3 +230,14 @@ def engine_gap_stats(
         "w_sq_sum": (w * w).sum(),
         "n": mask.sum().float(),
     }
+
+
+def loglinear_prox(
+    behav_logp: torch.Tensor, theta_logp: torch.Tensor, versions: torch.Tensor, prox_version: int
+) -> torch.Tensor:
+    """Approximate prox log-probs between the behaviour and current ones, by each token's staleness:
+    alpha = (v_prox - v_behav) / (v_prox + 1 - v_behav), 0 for a token sampled by the prox weights
+    themselves, towards 1 the staler it is. Off the sampled tokens (versions -1) the value is unused."""
+    lag = (prox_version - versions).clamp(min=0).to(theta_logp.dtype)
+    alpha = lag / (lag + 1.0)
+    return behav_logp + alpha * (theta_logp - behav_logp)

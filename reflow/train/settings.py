@@ -55,6 +55,38 @@ class LossConfig:
             raise ValueError(f"m2_tau must be finite and >= 0, got {self.m2_tau}")
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Every linear projection of a Llama/Qwen-style decoder layer, attention and MLP (the default targets)."""
+
+
+@dataclass
+class LoraSettings:
+    """LoRA on the policy (`model.lora:`): the trainer trains low-rank adapters on the frozen base
+    weights through peft (`reflow.train.lora`), and the engines receive the adapters alone."""
+
+    r: int = 16
+    """The adapters' rank."""
+    alpha: float = 32.0
+    """The adapters' scale: a layer computes W x + (alpha / r) B A x."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training. Above 0 the trainer's log-probs are not the
+    engine's (which runs without dropout), so the importance weights carry that noise too."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Names (last component) of the linear layers that get adapters."""
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise ValueError(f"r must be >= 1, got {self.r}")
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"alpha must be > 0, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules or not all(isinstance(m, str) and m for m in self.target_modules):
+            raise ValueError(
+                f"target_modules must be a non-empty list of module names, got {self.target_modules}"
+            )
+
+
 @dataclass
 class TrainerConfig:
     lr: float = 1e-4
@@ -83,6 +115,8 @@ class TrainerConfig:
     `prox_logp`), and the PPO clip keeps the later steps near it."""
     epochs: int = 1
     """Passes over the batch's mini-batches (PPO epochs)."""
+    lora: LoraSettings | None = None
+    """LoRA adapters on a frozen base (`model.lora`); None: every weight trains."""
     prox_logp: Literal["recompute", "loglinear"] = "recompute"
     """How later updates get prox log-probs: "recompute" (a no-grad forward before the first update) or
     "loglinear" (no extra forward: per token, log pi_prox ~ log pi_behav + alpha (log pi_theta -

@@ -19,6 +19,10 @@ Several ranks: `reflow.train.distributed.init_distributed` starts a gloo (CPU) o
 the model is sharded with FSDP2 (`fully_shard`, one unit per decoder layer); each rank trains on its
 share of the rows.
 
+LoRA (`TrainerConfig.lora`): peft adapters are injected into the model in place (`reflow.train.lora`),
+the base weights are frozen and AdamW holds the adapters alone; `full_state_dict` and the checkpoints
+carry the adapters only.
+
 Normalisation: before a mini-batch's first micro-batch the trainer adds up, over every rank, the loss's
 denominator (its loss-mask tokens, or its rows for `seq_mean_token_mean`), and each micro-batch's loss
 is its sum over that count (`losses.policy_loss`): the gradient is a function of the mini-batch's rows
@@ -35,20 +39,21 @@ import math
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from reflow.records import Segment
 from reflow.replay import UseStats
+from reflow.train.batch import TrainRow, equalize_micro_batches
 from reflow.train.distributed import all_gather, shard_model
 from reflow.train.group_stats import GroupSums, row_sums
 from reflow.train.logprobs import logprobs_from_logits, pad_segments, token_logprobs
+from reflow.train.lora import adapter_state_dict, apply_lora, check_adapters, has_adapters, is_adapter
 from reflow.train.losses import (
     engine_gap_stats,
+    loglinear_prox,
     loss_denominator,
     policy_loss,
     second_moment_threshold,
@@ -66,19 +71,6 @@ __all__ = [
     "equalize_micro_batches",
     "loglinear_prox",
 ]
-
-
-@dataclass
-class TrainRow:
-    """One training row: a segment of an episode and that episode's (group-relative) advantage."""
-
-    segment: Segment
-    advantage: float
-    group_id: str = ""
-    version: int = 0
-    """The oldest policy version among the row's sampled tokens (its staleness; `batch.oldest_version`)."""
-    replayed: bool = False
-    """The row's group was trained on by an earlier step (for `LossConfig.replay_clip`)."""
 
 
 _VALID_STATS = ("clip_frac", "replay_clip_frac", "w_mean")
@@ -114,10 +106,16 @@ class PolicyTrainer:
         self.model = model
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.lora = self.cfg.lora
+        self.base_path = str(getattr(model, "name_or_path", "") or "")
+        """The base model's folder (where the model was loaded from): LoRA checkpoints name it."""
+        if self.lora is not None and not has_adapters(model):
+            apply_lora(model, self.lora, seed=self.cfg.seed)  # base frozen: only the adapters train
         if self.world_size > 1:
             shard_model(model)
-        decay = [p for p in model.parameters() if p.ndim >= 2]
-        no_decay = [p for p in model.parameters() if p.ndim < 2]
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        decay = [p for p in trainable if p.ndim >= 2]
+        no_decay = [p for p in trainable if p.ndim < 2]
         self.optimizer = torch.optim.AdamW(
             [
                 {"params": decay, "weight_decay": self.cfg.weight_decay},
@@ -343,12 +341,17 @@ class PolicyTrainer:
         return float(t.item())
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded CPU weights for the engines (collective under FSDP: call on every rank)."""
+        """Unsharded CPU weights for the engines (collective under FSDP: call on every rank); under
+        LoRA the adapters alone (the base never changes: every engine has it)."""
         if self.world_size > 1:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            return get_model_state_dict(self.model, options=options)
+            lora = self.lora is not None
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora)
+            state = get_model_state_dict(self.model, options=options)
+            return {k: v for k, v in state.items() if is_adapter(k)} if lora else state
+        if self.lora is not None:
+            return adapter_state_dict(self.model)
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
     def optimizer_state(self) -> dict[str, Any]:
@@ -370,42 +373,16 @@ class PolicyTrainer:
             set_optimizer_state_dict,
         )
 
-        options = StateDictOptions(full_state_dict=True)
+        lora = self.lora is not None
+        if lora:  # the adapters alone: the base is the trainer's own
+            check_adapters(self.model, model_state)
+        options = StateDictOptions(full_state_dict=True, strict=not lora)
         if self.world_size > 1:
             set_model_state_dict(self.model, model_state, options=options)
         else:
-            self.model.load_state_dict(model_state)
+            self.model.load_state_dict(model_state, strict=not lora)
         by_index = any(isinstance(k, int) for k in optim_state.get("state", {}))
         if by_index and self.world_size == 1:
             self.optimizer.load_state_dict(optim_state)
         else:
             set_optimizer_state_dict(self.model, self.optimizer, optim_state, options=options)
-
-
-def equalize_micro_batches(batches: list[list[TrainRow]], target: int, pad_id: int) -> list[list[TrainRow]]:
-    """`target` micro-batches from `batches`: under FSDP2 every forward and backward gathers the
-    sharded parameters collectively, so every rank must run the same number of them, whatever its
-    share of the rows. Splits the largest micro-batches first, then adds dummy rows that carry no loss
-    token (a rank with fewer rows than the others, or none)."""
-    out = [list(b) for b in batches if b]
-    while len(out) < target:
-        big = max(range(len(out)), key=lambda i: len(out[i]), default=None)
-        if big is not None and len(out[big]) > 1:
-            rows = out.pop(big)
-            out += [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
-        else:
-            dummy = Segment(0)
-            dummy.extend_prompt([pad_id, pad_id])  # prompt tokens only: loss mask 0 everywhere
-            out.append([TrainRow(dummy, 0.0)])
-    return out
-
-
-def loglinear_prox(
-    behav_logp: torch.Tensor, theta_logp: torch.Tensor, versions: torch.Tensor, prox_version: int
-) -> torch.Tensor:
-    """Approximate prox log-probs between the behaviour and current ones, by each token's staleness:
-    alpha = (v_prox - v_behav) / (v_prox + 1 - v_behav), 0 for a token sampled by the prox weights
-    themselves, towards 1 the staler it is. Off the sampled tokens (versions -1) the value is unused."""
-    lag = (prox_version - versions).clamp(min=0).to(theta_logp.dtype)
-    alpha = lag / (lag + 1.0)
-    return behav_logp + alpha * (theta_logp - behav_logp)

@@ -6,7 +6,9 @@ step and version, RNG states and the run's replay cursor.
     extra = load_checkpoint(ckpt, trainer)
 
 A checkpoint is a folder `step-000012/` holding an ordinary HF model folder (so `reflow rollout --model`
-and any HF engine load it), `optimizer.pt`, `rng.pt` and `state.json`. It is written under a temporary
+and any HF engine load it), `optimizer.pt`, `rng.pt` and `state.json`. Under LoRA the model folder is an
+adapter folder instead (`reflow.models.adapters`: the adapters in peft's format, naming their base
+model), which `reflow.models.load_model` loads merged. It is written under a temporary
 name and renamed into place, so a run killed mid-save never leaves a checkpoint that looks complete;
 `latest_checkpoint` only sees finished ones. Older checkpoints beyond `keep` are removed.
 """
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 
 from reflow.models.weights import load_state_dict
+from reflow.train.lora import save_adapters
 from reflow.train.trainer import PolicyTrainer
 
 STATE_FILE = "state.json"
@@ -50,7 +53,13 @@ def save_checkpoint(
     tmp = root / f".tmp-step-{trainer.step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    trainer.model.save_pretrained(tmp, state_dict=model_state)
+    if trainer.lora is not None:  # the adapters, naming the base they apply to, and its config
+        if not trainer.base_path:
+            raise ValueError("a LoRA checkpoint names its base model's folder: load the model from one")
+        save_adapters(tmp, model_state, trainer.lora, base=trainer.base_path)
+        trainer.model.config.save_pretrained(tmp)
+    else:
+        trainer.model.save_pretrained(tmp, state_dict=model_state)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     torch.save(optim_state, tmp / "optimizer.pt")
@@ -83,8 +92,9 @@ def read_state(path: str | Path) -> dict[str, Any]:
 def load_checkpoint(path: str | Path, trainer: PolicyTrainer) -> dict[str, Any]:
     """Restore weights, optimizer, step/version and RNG; returns the `extra` dict saved with it."""
     path = Path(path)
-    model_state = load_state_dict(path)
-    if getattr(trainer.model.config, "tie_word_embeddings", False) and "lm_head.weight" not in model_state:
+    model_state = load_state_dict(path)  # a LoRA checkpoint's adapters (the trainer checks they fit)
+    tied = trainer.lora is None and getattr(trainer.model.config, "tie_word_embeddings", False)
+    if tied and "lm_head.weight" not in model_state:
         model_state["lm_head.weight"] = model_state["model.embed_tokens.weight"]
     optim_state = torch.load(path / "optimizer.pt", weights_only=False)
     trainer.load_state(model_state, optim_state)

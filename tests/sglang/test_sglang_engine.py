@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from reflow.engine import EngineError, SamplingParams
-from reflow.engine.sglang_engine import (
-    SGLangEngine,
+from reflow.engine.sglang_engine import SGLangEngine
+from reflow.engine.sglang_requests import (
     abort_payload,
     generate_payload,
     parse_generate_response,
@@ -197,28 +197,27 @@ def test_response_parsing_checks_consistency():
         parse_generate_response(body, 0)
 
 
+def sglang_run(tmp_path, *overrides: str):
+    """(a small tiny-preset model folder, a run config with `engine.kind: sglang` and `overrides`)."""
+    from reflow.config import load_config
+    from reflow.models import build_tiny
+
+    model_dir = str(
+        build_tiny(tmp_path / "model", num_hidden_layers=1, hidden_size=64, intermediate_size=128)
+    )
+    engine = ["env.id=reflow/Calc-v0", "engine.kind=sglang", "engine.urls=[http://gpu-a:30000]"]
+    return model_dir, load_config(None, [*engine, f"out_dir={tmp_path / 'runs'}", *overrides])
+
+
 async def test_a_rollout_worker_drives_sglang_servers_and_hands_them_each_policy_from_disk(tmp_path):
     """`engine.kind: sglang`: the worker tokenizes and plays episodes through `/generate`, and a new
     policy reaches the servers as a folder they load with `/update_weights_from_disk`."""
     import torch
 
-    from reflow.config import load_config
-    from reflow.models import build_tiny, load_model
+    from reflow.models import load_model
     from reflow.runtime.workers import RolloutWorker
 
-    model_dir = str(
-        build_tiny(tmp_path / "model", num_hidden_layers=1, hidden_size=64, intermediate_size=128)
-    )
-    config = load_config(
-        None,
-        [
-            "env.id=reflow/Calc-v0",
-            "engine.kind=sglang",
-            "engine.urls=[http://gpu-a:30000]",
-            f"out_dir={tmp_path / 'runs'}",
-            "eval.max_new_tokens=4",
-        ],
-    )
+    model_dir, config = sglang_run(tmp_path, "eval.max_new_tokens=4")
     worker = RolloutWorker(config, model_dir, replay=None)
     assert isinstance(worker.engine, SGLangEngine)
     log, version = [], ["0"]
