@@ -89,6 +89,58 @@ async def test_sglang_engine_given_version_3_then_2_keeps_3_and_orders_racing_up
         await engine.close()
 
 
+def _lora_transport(loaded: set[str], arrive: asyncio.Event) -> httpx.MockTransport:
+    """An SGLang server under LoRA: loads and unloads adapters by name; a `/generate` reaches it only
+    once `arrive` is set (a request still on its way, behind a busy connection pool), and one naming an
+    adapter no longer loaded is refused as SGLang refuses it (HTTP 400)."""
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content or b"{}")
+        path = request.url.path
+        if path == "/load_lora_adapter":
+            loaded.add(body["lora_name"])
+        elif path == "/unload_lora_adapter":
+            loaded.remove(body["lora_name"])
+        elif path == "/generate":
+            await arrive.wait()
+            if body["lora_path"] not in loaded:
+                return httpx.Response(400, json={"error": f"LoRA adapter {body['lora_path']} not loaded"})
+            n = body["sampling_params"]["max_new_tokens"]
+            meta = {
+                "finish_reason": {"type": "length"},
+                "weight_version": "default",
+                "output_token_logprobs": [[-0.5, 7, None]] * n,
+            }
+            return httpx.Response(200, json={"output_ids": [7] * n, "meta_info": meta})
+        return httpx.Response(200, json={"success": True})
+
+    return httpx.MockTransport(handler)
+
+
+async def test_sglang_engine_never_unloads_an_adapter_a_request_on_its_way_names(tmp_path):
+    from reflow.engine import SamplingParams
+    from reflow.models.adapters import ADAPTER_CONFIG
+
+    (tmp_path / ADAPTER_CONFIG).write_text("{}")  # an adapter folder, as far as the engine looks
+    loaded: set[str] = set()
+    arrive = asyncio.Event()
+    engine = SGLangEngine(["http://gpu-a:30000"], transport=_lora_transport(loaded, arrive))
+    try:
+        await engine.update_weights(path=str(tmp_path), version=1)
+        request = asyncio.create_task(engine.generate([1, 2], SamplingParams(max_new_tokens=3)))
+        for _ in range(5):
+            await asyncio.sleep(0)  # the request has named adapter v1 and is on its way
+        for version in (2, 3):  # two updates before it arrives: v1 would be the one unloaded
+            await engine.update_weights(path=str(tmp_path), version=version)
+        arrive.set()
+        result = await request
+        assert result.weight_version == 1 and result.output_ids == [7, 7, 7]  # sampled by v1, tagged v1
+        await engine.update_weights(path=str(tmp_path), version=4)  # v1 unused now: unloaded
+        assert sorted(name[-2:] for name in loaded) == ["v3", "v4"]
+    finally:
+        await engine.close()
+
+
 # ---- the loop's push tracker (pure bookkeeping)
 
 

@@ -49,7 +49,8 @@ from reflow.engine.sglang_requests import (
 from reflow.models.adapters import is_adapter_folder
 
 KEEP_ADAPTERS = 2
-"""LoRA adapters an engine keeps loaded: the current one and the one before it."""
+"""LoRA adapters an engine keeps loaded: the current one and the one before it, and any older one
+that a request still names (`SGLangEngine._adapter_users`)."""
 
 
 def _raise_failed(results: list[Any], what: str) -> None:
@@ -94,6 +95,10 @@ class SGLangEngine:
         self._parts: dict[str, str] = {}  # request id -> the server rid of its current part
         self._adapter: tuple[str, int] | None = None  # LoRA: the adapter requests name, its version
         self._adapters: list[str] = []  # the adapters loaded on the servers, oldest first
+        # LoRA: the parts that name each adapter, from when they read its name until their answer. A
+        # part may wait for a connection while updates come and go; unloading the adapter it names
+        # would get it refused (HTTP 400), so an adapter in use is unloaded at a later update.
+        self._adapter_users: dict[str, int] = {}
 
     @classmethod
     def launch(
@@ -171,12 +176,16 @@ class SGLangEngine:
                 updates_before, version_before, adapter = self._updates_done, self._version, self._adapter
                 part_rid = rid if part is None else f"{rid}.{len(out_ids)}"  # unique per part
                 self._parts[rid] = part_rid
-                body = await self._generate_part(
-                    [*input_ids, *out_ids],
-                    replace(params, max_new_tokens=remaining),
-                    part_rid,
-                    adapter[0] if adapter else None,
-                )
+                name = adapter[0] if adapter else None
+                if name is not None:  # counted before any await: no update can unload it from here on
+                    self._adapter_users[name] = self._adapter_users.get(name, 0) + 1
+                try:
+                    body = await self._generate_part(
+                        [*input_ids, *out_ids], replace(params, max_new_tokens=remaining), part_rid, name
+                    )
+                finally:
+                    if name is not None:
+                        self._adapter_users[name] -= 1
                 part = parse_generate_response(body, version_before)
                 if adapter is not None:  # the servers' own version is the base's: the adapter's counts
                     part = replace(part, weight_version=adapter[1])
@@ -287,7 +296,8 @@ class SGLangEngine:
         """LoRA: load the adapters at `path` on every server under a new name, switch new requests to
         it, then abort the requests in flight, which `generate` resubmits with it (as after a weight
         update: each token keeps the version of the adapter that sampled it). The adapter before
-        stays loaded (a part sent just before the switch may still name it); older ones are unloaded."""
+        stays loaded (a part sent just before the switch may still name it); older ones are unloaded once
+        no part names them (`_adapter_users`)."""
         name = f"reflow-{uuid.uuid4().hex[:12]}-v{version}"  # unique: servers may be shared, versions rewound
         _raise_failed(await self._all("/load_lora_adapter", load_lora_payload(name, path)), "LoRA load")
         self._adapters.append(name)
@@ -296,8 +306,11 @@ class SGLangEngine:
             await self._all("/abort_request", abort_payload(None))
         finally:
             self._updates_done += 1  # as for a weight update: aborted parts see it and resubmit
-        while len(self._adapters) > KEEP_ADAPTERS:
-            await self._all("/unload_lora_adapter", unload_lora_payload(self._adapters.pop(0)))
+        stale = self._adapters[:-KEEP_ADAPTERS]
+        for old in [n for n in stale if not self._adapter_users.get(n)]:
+            await self._all("/unload_lora_adapter", unload_lora_payload(old))
+            self._adapters.remove(old)
+            self._adapter_users.pop(old, None)
 
     async def pause(self, mode: str = "abort") -> None:
         await self._all("/pause_generation", pause_payload(mode))
