@@ -252,3 +252,53 @@ def test_export_of_a_lora_checkpoint_is_the_merged_model_generating_as_the_runs_
     assert any(not (exported[k] == base[k]).all() for k in exported)  # the adapters are merged in
     engine_model, tokenizer = load_lora_model(ckpt, lora)  # how the run's engines hold it
     _generates_as_in_torch_engine(out_dir, engine_model, tokenizer)
+
+
+def test_eval_of_a_lora_checkpoint_on_sglang_servers_plays_the_checkpoints_adapters(
+    small_model, tmp_path, monkeypatch
+):
+    """SGLang servers under `model.lora` start from the base: an evaluation hands them the checkpoint's
+    adapters before its first episode, and every request names them."""
+    import httpx
+
+    from reflow.config import load_config
+    from reflow.engine import sglang_engine
+    from reflow.recipes.model_cli import play_held_out
+    from reflow.train.settings import LoraSettings
+
+    lora = LoraSettings(r=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
+    ckpt = _trained_checkpoint(small_model, tmp_path / "checkpoints", lora=lora)
+    loaded, named = [], []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content or b"{}")
+        if request.url.path == "/load_lora_adapter":
+            loaded.append((body["lora_name"], body["lora_path"]))
+        elif request.url.path == "/generate":
+            named.append(body.get("lora_path"))
+            meta = {"finish_reason": {"type": "length"}, "output_token_logprobs": [[-0.5, 5, None]]}
+            return httpx.Response(200, json={"output_ids": [5], "meta_info": meta})
+        return httpx.Response(200, json={"success": True})
+
+    client = httpx.AsyncClient  # the engine's client answers in process, as the servers would
+    monkeypatch.setattr(
+        sglang_engine.httpx,
+        "AsyncClient",
+        lambda **kw: client(**{**kw, "transport": httpx.MockTransport(handler)}),
+    )
+    config = load_config(
+        None,
+        [
+            "env.id=reflow/Calc-v0",
+            "engine.kind=sglang",
+            "engine.urls=[http://gpu-a:30000]",
+            f"model={small_model}",
+            "model.lora={r: 4, alpha: 8.0, target_modules: [q_proj, v_proj]}",
+            "eval.max_new_tokens=1",
+            "rollout.max_turns=1",
+        ],
+    )
+    greedy, _, _ = asyncio.run(play_held_out(config, str(ckpt), 2, 0))
+    assert len(greedy) == 2
+    assert [path for _, path in loaded] == [str(ckpt.resolve())]
+    assert named and set(named) == {loaded[0][0]}

@@ -63,6 +63,7 @@ async def play_held_out(
 ) -> tuple[list[EpisodeRecord], list[EpisodeRecord], float]:
     """Greedy episodes on `episodes` held-out tasks, then `pass_at` sampled ones on each (none when 0),
     on one in-process rollout worker; and the greedy half's seconds."""
+    from reflow.models.adapters import is_adapter_folder
     from reflow.rollout.collect import EVAL_SEED_BASE
     from reflow.runtime.workers import RolloutWorker
 
@@ -70,6 +71,11 @@ async def play_held_out(
     config.resources.threads_per_slot = os.cpu_count() or 1  # an evaluation has the machine to itself
     worker = RolloutWorker(config, model_path, replay=None)
     try:
+        if config.model.lora is not None and is_adapter_folder(model_path):
+            # SGLang servers under LoRA hold the base (a run's first weight sync brings its adapters):
+            # the checkpoint's adapters go to them as a run's would (a torch engine has them already)
+            folder = str(Path(model_path).resolve())
+            await worker.engine.update_weights(path=folder, version=worker.engine.weight_version)
         start = time.monotonic()
         greedy = await worker.held_out(episodes, EVAL_SEED_BASE, 0.0, 1)
         seconds = time.monotonic() - start
