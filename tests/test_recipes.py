@@ -247,3 +247,54 @@ def test_a_warm_start_cut_short_by_its_time_cap_is_not_reused(small_model, tmp_p
     reused_path, reused = warm(600.0, "d")
     assert reused["cached"] is True and reused["stopped_by"] == "steps"
     assert Path(reused_path).is_dir() and Path(path).parent == Path(reused_path).parent
+
+
+@pytest.mark.slow
+def test_a_lora_runs_checkpoints_name_a_base_of_its_own_that_outlives_the_warm_start_cache(
+    small_model, tmp_path, monkeypatch
+):
+    """A `model.lora` checkpoint holds adapters alone and names its base folder. A warm start in the
+    cache is reflow's to replace (a run with the same key trains a time-capped one again) or clear:
+    the base a run trains on is its own, so its resume and export read the model its adapters fit."""
+    import shutil
+
+    import torch
+
+    from reflow.config import RunConfig
+    from reflow.models.adapters import base_model_path
+    from reflow.recipes.initial_model import prepare_model, resumed_model
+    from reflow.recipes.run_log import RunLog
+    from reflow.train.lora import load_lora_model
+    from reflow.train.settings import TrainerConfig
+    from reflow.train.trainer import PolicyTrainer
+    from reflow.train.trainer_state import save_checkpoint
+
+    monkeypatch.setenv("REFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    ws = {"demos": 8, "max_steps": 3, "seconds": 0.001, "batch_tokens": 512}  # cut short: trained again
+    lora = {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
+
+    def start(name: str) -> tuple[RunConfig, str]:
+        config = RunConfig(
+            env={"id": "reflow/Math-v0"},
+            model={"name": small_model, "lora": lora},
+            warmstart=ws,
+            out_dir=str(tmp_path / "runs"),
+            run_name=name,
+        )
+        path, _, _ = prepare_model(config, config.run_dir, RunLog(config.run_dir, live=False), resume=False)
+        return config, path
+
+    config, path = start("a")
+    settings = config.model.lora_settings()
+    model, tokenizer = load_lora_model(path, settings)
+    trainer = PolicyTrainer(model, tokenizer.pad_token_id, TrainerConfig(bf16=False, lora=settings))
+    ckpt = save_checkpoint(config.run_dir / "checkpoints", trainer, tokenizer)
+    assert base_model_path(ckpt).is_relative_to(config.run_dir)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        before = model(ids).logits
+    start("b")  # the same warm-start key: the cut-short warm start is trained again, its folder replaced
+    shutil.rmtree(tmp_path / "cache")
+    resumed, _ = load_lora_model(resumed_model(ckpt, config.run_dir), settings)
+    with torch.no_grad():
+        assert torch.equal(resumed(ids).logits, before)

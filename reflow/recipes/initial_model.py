@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from reflow.config import RunConfig
 from reflow.models.presets import cache_dir, resolve_model_path
@@ -106,32 +106,53 @@ def prepare_model(
             return str(resumed_model(ckpt, run_dir)), RunState(), ckpt
         log.console.print("[yellow]no checkpoint yet: starting the run over[/yellow]")
     if config.warmstart.enabled:
-        return run_warmstart(config, log), RunState(), None
-    overrides: dict[str, Any] = dict(config.model_overrides)
-    return str(resolve_model_path(config.model.name, **overrides)), RunState(), None
+        path = run_warmstart(config, log)
+    else:
+        path = str(resolve_model_path(config.model.name, **dict(config.model_overrides)))
+    if config.model.lora is not None:
+        path = str(lora_base(Path(path), run_dir))
+    return path, RunState(), None
 
 
 TRAINER_ONLY = ("optimizer.pt", "rng.pt")
 """Files of a checkpoint that only the trainer reads (restored from the checkpoint itself)."""
+
+LORA_BASE = "model-base"
+"""In the run folder: a LoRA run's base model, when it came from reflow's cache (`lora_base`)."""
+
+
+def lora_base(path: Path, run_dir: Path) -> Path:
+    """The base model folder of a `model.lora` run, which its checkpoints (adapters alone) name by path.
+    A folder in reflow's cache is reflow's to replace (a run with the same warm-start key trains a
+    time-capped warm start again) or to clear, so it is linked into `run_dir/model-base` first, which
+    nothing else writes: resume and export read the model the adapters were trained on. A folder of
+    the user's own is used where it is."""
+    if not path.resolve().is_relative_to(cache_dir().parent.resolve()):
+        return path
+    return link_model(path, run_dir / LORA_BASE)
 
 
 def resumed_model(ckpt: Path, run_dir: Path) -> Path:
     """The checkpoint's model folder (weights, config, tokenizer) linked into `run_dir/model-resumed`,
     which checkpoint rotation never touches: the actors a resumed run starts later (an elastic role
     change, a new rollout worker) and SGLang weight pushes (which copy its config and tokenizer files)
-    read it for the whole run, after `train.keep_checkpoints` has removed the checkpoint itself.
-    Hard links where the file system allows (no copy of the weights), else copies."""
-    dest = run_dir / "model-resumed"
-    tmp = run_dir / ".model-resumed.tmp"
+    read it for the whole run, after `train.keep_checkpoints` has removed the checkpoint itself."""
+    return link_model(ckpt, run_dir / "model-resumed", skip=TRAINER_ONLY)
+
+
+def link_model(src: Path, dest: Path, skip: tuple[str, ...] = ()) -> Path:
+    """The files of folder `src` (but `skip`) at `dest`, replacing it: hard links where the file system
+    allows (no copy of the weights; they outlive `src`'s removal), else copies."""
+    tmp = dest.with_name(f".{dest.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for src in ckpt.iterdir():
-        if src.name in TRAINER_ONLY or not src.is_file():
+    for file in src.iterdir():
+        if file.name in skip or not file.is_file():
             continue
         try:
-            os.link(src, tmp / src.name)
+            os.link(file, tmp / file.name)
         except OSError:  # another file system, or links not allowed
-            shutil.copy2(src, tmp / src.name)
+            shutil.copy2(file, tmp / file.name)
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
     return dest
