@@ -174,3 +174,20 @@ def test_apply_lora_starts_every_copy_from_the_same_float32_adapters_and_the_sam
     assert {d for n, d in dtypes.items() if not is_adapter(n)} == {torch.bfloat16}
     with torch.no_grad():
         assert half(ids).logits.dtype == torch.bfloat16
+
+
+def test_apply_lora_keeps_an_eval_model_in_eval_mode_so_adapter_dropout_is_off(base):
+    """`load_model` gives a model in eval mode (engines, evaluation); the adapters injected into it stay
+    in that mode, so `model.lora.dropout` noise is the trainer's alone, as documented."""
+    model = small_qwen3(seed=0).eval()
+    settings = LoraSettings(r=4, alpha=8.0, dropout=0.5, target_modules=["q_proj", "v_proj"])
+    apply_lora(model, settings)
+    assert not any(m.training for m in model.modules())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.fill_(0.1)  # adapters that act: dropout on their input would show
+        ids = torch.tensor([[1, 5, 9, 3]])
+        assert torch.equal(model(ids).logits, model(ids).logits)
+    served, _ = load_lora_model(base[0], settings)
+    assert not any(m.training for m in served.modules())

@@ -58,17 +58,20 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings, seed: int = 0) ->
     """Inject fresh adapters into `model` in place and freeze everything else; returns `model`. B
     starts at zero, so the model computes what it did; A is drawn from `seed` alone, so every FSDP
     rank (and every engine) starts from the same adapters; they are float32 whatever the base's
-    dtype. ValueError when no module matches."""
+    dtype, and in the model's mode (train or eval). ValueError when no module matches."""
     config = peft_config(settings)  # first: it names the extra when peft is missing
     from peft import inject_adapter_in_model
     from peft.tuners.tuners_utils import cast_adapter_dtype
 
+    training = model.training
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
             inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
         except ValueError as e:
             raise ValueError(f"model.lora.target_modules {settings.target_modules}: {e}") from None
+    # peft's new modules start in training mode: an eval model (an engine's) would sample with dropout
+    model.train(training)
     # Adapters of a bf16/fp16 base in float32, as `peft.get_peft_model` makes them: AdamW's small steps
     # on the adapters would round away in bf16 (the layer casts its input to the adapters' dtype)
     cast_adapter_dtype(model, adapter_name=ADAPTER_NAME, autocast_adapter_dtype=True)
