@@ -298,3 +298,39 @@ def test_a_lora_runs_checkpoints_name_a_base_of_its_own_that_outlives_the_warm_s
     resumed, _ = load_lora_model(resumed_model(ckpt, config.run_dir), settings)
     with torch.no_grad():
         assert torch.equal(resumed(ids).logits, before)
+
+
+def test_a_lora_run_on_another_runs_checkpoint_keeps_its_base_when_that_run_rotates_it(small_model, tmp_path):
+    """LoRA on top of a full-weights RL checkpoint: that run's rotation (`train.keep_checkpoints`)
+    removes the folder, so the run links it as its own base first."""
+    import shutil
+
+    import torch
+
+    from reflow.config import RunConfig
+    from reflow.models import load_model
+    from reflow.recipes.initial_model import prepare_model
+    from reflow.recipes.run_log import RunLog
+    from reflow.train.lora import load_lora_model
+    from reflow.train.settings import TrainerConfig
+    from reflow.train.trainer import PolicyTrainer
+    from reflow.train.trainer_state import save_checkpoint
+
+    model, tokenizer = load_model(small_model)
+    ckpt = save_checkpoint(
+        tmp_path / "full" / "checkpoints", PolicyTrainer(model, 0, TrainerConfig()), tokenizer
+    )
+    lora = {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
+    config = RunConfig(
+        env={"id": "reflow/Math-v0"},
+        model={"name": str(ckpt), "lora": lora},
+        warmstart={"enabled": False},
+        out_dir=str(tmp_path / "runs"),
+    )
+    path, _, _ = prepare_model(config, config.run_dir, RunLog(config.run_dir, live=False), resume=False)
+    assert Path(path).is_relative_to(config.run_dir)
+    shutil.rmtree(ckpt)  # the other run rotated it away
+    based, _ = load_lora_model(path, config.model.lora_settings())
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        assert torch.equal(based(ids).logits, model(ids).logits)  # fresh adapters: the base's outputs

@@ -118,18 +118,24 @@ TRAINER_ONLY = ("optimizer.pt", "rng.pt")
 """Files of a checkpoint that only the trainer reads (restored from the checkpoint itself)."""
 
 LORA_BASE = "model-base"
-"""In the run folder: a LoRA run's base model, when it came from reflow's cache (`lora_base`)."""
+"""In the run folder: a LoRA run's base model, when it came from reflow's cache or a checkpoint
+(`lora_base`)."""
 
 
 def lora_base(path: Path, run_dir: Path) -> Path:
     """The base model folder of a `model.lora` run, which its checkpoints (adapters alone) name by path.
     A folder in reflow's cache is reflow's to replace (a run with the same warm-start key trains a
-    time-capped warm start again) or to clear, so it is linked into `run_dir/model-base` first, which
-    nothing else writes: resume and export read the model the adapters were trained on. A folder of
-    the user's own is used where it is."""
-    if not path.resolve().is_relative_to(cache_dir().parent.resolve()):
+    time-capped warm start again) or to clear, and another run's checkpoint goes when that run rotates
+    it: such a folder is linked into `run_dir/model-base` first, which nothing else writes, so resume
+    and export read the model the adapters were trained on. Any other folder is used where it is."""
+    from reflow.models.adapters import is_adapter_folder
+    from reflow.train.trainer_state import STATE_FILE
+
+    cached = path.resolve().is_relative_to(cache_dir().parent.resolve())
+    checkpoint = (path / STATE_FILE).is_file() and not is_adapter_folder(path)
+    if not (cached or checkpoint):
         return path
-    return link_model(path, run_dir / LORA_BASE)
+    return link_model(path, run_dir / LORA_BASE, skip=(*TRAINER_ONLY, STATE_FILE))
 
 
 def resumed_model(ckpt: Path, run_dir: Path) -> Path:
