@@ -28,7 +28,7 @@ venv: $(STAMP)
 
 # The main job: warm-start the tiny model on 1-2-step calculator problems, then RL (sync mode on a local
 # Ray), printing held-out greedy, mean@8, pass@8 and the RL headroom before and after; 70 RL steps,
-# 13-25 minutes on 2 CPU cores (docs/results.md). Results, checkpoints, plots and the replay
+# 8-25 minutes on 2 idle CPU cores (docs/results.md). Results, checkpoints, plots and the replay
 # store land in runs/calc-short.
 # A second `make train` reuses the cached warm start; `make train ARGS=warmstart.cache=false` redoes it.
 TRAIN_CONFIG ?= configs/calc-short.yaml
