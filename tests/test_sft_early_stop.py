@@ -83,3 +83,27 @@ def test_a_time_cap_lets_the_first_step_through_whatever_the_set_up_took(built):
     cfg = SFTConfig(lr=1e-2, max_steps=10, max_seconds=0.0, batch_tokens=64, log_every=0)
     report = sft_train(model, rows, tok.pad_token_id, cfg, log=lambda m: None)
     assert report.steps == 1
+
+
+def test_the_weights_a_step_budget_gives_do_not_depend_on_how_long_the_steps_took(built, monkeypatch):
+    # The learning rate follows the step budget alone: a slow (loaded) machine must end with the same
+    # weights as a fast one. Here one run's clock moves 50 s a reading, as if every step were slow; the
+    # time cap (1e6 s) never ends either run.
+    import reflow.train.sft as sft
+
+    def train(clock_step: float) -> dict[str, torch.Tensor]:
+        model, tok, rows = _setup(built)
+        now = [0.0]
+
+        def monotonic() -> float:
+            now[0] += clock_step
+            return now[0]
+
+        monkeypatch.setattr(sft.time, "monotonic", monotonic)
+        cfg = SFTConfig(lr=1e-2, max_steps=30, max_seconds=1e6, warmup_steps=2, batch_tokens=64, log_every=0)
+        report = sft_train(model, rows, tok.pad_token_id, cfg, log=lambda m: None)
+        assert report.steps == 30
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    fast, slow = train(1e-3), train(50.0)
+    assert all(torch.equal(fast[k], slow[k]) for k in fast)

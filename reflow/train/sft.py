@@ -31,7 +31,9 @@ class SFTConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.01
     max_steps: int = 400
+    """The step budget; the learning rate's cosine decay runs over it."""
     max_seconds: float = 240.0
+    """A time cap: training stops after the step during which it ran out (the schedule ignores it)."""
     batch_tokens: int = 4096
     grad_clip: float = 1.0
     seed: int = 0
@@ -114,13 +116,15 @@ def sft_train(
         lr=cfg.lr,
     )
 
-    def lr_at(step: int, elapsed: float) -> float:
+    def lr_at(step: int) -> float:
         if step < cfg.warmup_steps:
             return cfg.lr * (step + 1) / cfg.warmup_steps
-        # Cosine decay over whichever budget runs out first, steps or seconds: a run cut by its time
-        # budget still ends at the low learning rate (which is where the loss drops).
-        by_steps = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-        progress = min(1.0, max(by_steps, elapsed / cfg.max_seconds))
+        # Cosine decay over the step budget alone. It once followed whichever budget ran out first,
+        # steps or seconds, so that a run cut by its time cap still ended at the low learning rate; but
+        # then the weights depended on the machine's speed (right after warm-up the seconds' share led
+        # on any machine slower than max_seconds / max_steps a step), and on a loaded one a run of the
+        # same seed and steps ended far from an idle one. A run its time cap stops warns instead.
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
         return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
     device = next(model.parameters()).device
@@ -146,7 +150,7 @@ def sft_train(
             batches = pack_batches(rows, cfg.batch_tokens, rng, shared_prefix_len(rows))
         batch = batches.pop()
         for group in opt.param_groups:
-            group["lr"] = lr_at(report.steps, time.monotonic() - start)
+            group["lr"] = lr_at(report.steps)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss, n_tokens = masked_nll(model, batch, pad_id)
         opt.zero_grad(set_to_none=True)
