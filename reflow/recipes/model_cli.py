@@ -92,7 +92,7 @@ def evaluate_model(
 ) -> dict[str, Any]:
     """Play, print a table and return the summary (`reflow eval`, and `reflow rollout --eval`)."""
     from reflow.console import console
-    from reflow.rollout.collect import rl_headroom, summarize
+    from reflow.rollout.collect import rl_headroom, summarize, summary_line
 
     path = model_folder(model_arg)
     greedy, sampled, seconds = asyncio.run(play_held_out(config, path, episodes, pass_at))
@@ -105,10 +105,8 @@ def evaluate_model(
         **summarize(greedy, seconds),
     }
     console.print(
-        f"[bold]{config.env.id}[/bold] with {path}: {summary['episodes']} held-out tasks, greedy success "
-        f"{summary['success_rate']:.1%}, reward {summary['reward_mean']:.3f}, turns p50/p90/max "
-        f"{summary['turns_p50']:g}/{summary['turns_p90']:g}/{summary['turns_max']}, "
-        f"{summary['generated_tokens_per_s']:.0f} generated tokens/s, statuses {summary['statuses']}"
+        f"[bold]{config.env.id}[/bold] with {path}: {summary['episodes']} held-out tasks, greedy "
+        f"{summary_line(summary)}"
     )
     if sampled:
         room = rl_headroom(greedy, sampled)

@@ -19,7 +19,7 @@ from reflow.config import RunConfig
 from reflow.engine import Engine, SamplingParams
 from reflow.recipes.model_cli import evaluate_model
 from reflow.records import EpisodeRecord, write_records
-from reflow.rollout.collect import collect, summarize
+from reflow.rollout.collect import collect, summarize, summary_line
 from reflow.rollout.episode import EpisodeRunner, RolloutConfig
 
 
@@ -92,10 +92,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     if args.out:
         write_records(records, args.out)
     console.print(
-        f"[bold]{args.env}[/bold] with {args.model}: {summary['episodes']} episodes, "
-        f"success {summary['success_rate']:.1%}, reward {summary['reward_mean']:.3f}, "
-        f"turns p50/p90/max {summary['turns_p50']:g}/{summary['turns_p90']:g}/{summary['turns_max']}, "
-        f"{summary['generated_tokens_per_s']:.0f} generated tokens/s, statuses {summary['statuses']}"
+        f"[bold]{args.env}[/bold] with {args.model}: {summary['episodes']} episodes, {summary_line(summary)}"
     )
     print(json.dumps(summary))
     return 0

@@ -61,6 +61,15 @@ def summarize(records: list[EpisodeRecord], seconds: float) -> dict[str, Any]:
     }
 
 
+def summary_line(summary: dict[str, Any]) -> str:
+    """`summarize`'s figures as one line of text (rich markup free)."""
+    return (
+        f"success {summary['success_rate']:.1%}, reward {summary['reward_mean']:.3f}, "
+        f"turns p50/p90/max {summary['turns_p50']:g}/{summary['turns_p90']:g}/{summary['turns_max']}, "
+        f"{summary['generated_tokens_per_s']:.0f} generated tokens/s, statuses {summary['statuses']}"
+    )
+
+
 def rl_headroom(greedy: list[EpisodeRecord], sampled: list[EpisodeRecord]) -> dict[str, Any]:
     """How much greedy success RL can add: the share of tasks greedy decoding fails while at least one
     of their sampled episodes succeeds.
