@@ -119,11 +119,10 @@ def sft_train(
     def lr_at(step: int) -> float:
         if step < cfg.warmup_steps:
             return cfg.lr * (step + 1) / cfg.warmup_steps
-        # Cosine decay over the step budget alone. It once followed whichever budget ran out first,
-        # steps or seconds, so that a run cut by its time cap still ended at the low learning rate; but
-        # then the weights depended on the machine's speed (right after warm-up the seconds' share led
-        # on any machine slower than max_seconds / max_steps a step), and on a loaded one a run of the
-        # same seed and steps ended far from an idle one. A run its time cap stops warns instead.
+        # Cosine decay over the step budget alone, never the clock: with the elapsed share of
+        # `max_seconds` in it, the seconds' share leads for a few steps right after warm-up (how many
+        # depends on the machine's speed), so two runs of one seed and step budget ended with different
+        # weights on a loaded and an idle machine. A run its time cap stops warns instead.
         progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
         return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
