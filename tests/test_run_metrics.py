@@ -20,6 +20,25 @@ def test_rollout_idle_ratio_integrates_the_slot_count_over_time():
     assert (state.rollout_slot_s, state.slots_counted_s) == (30.0, 20.0)
 
 
+def test_env_time_share_is_the_envs_part_of_the_episodes_time_per_step_and_over_the_run():
+    """The sandbox's (any env's) share of rollout time: step 1's episodes spent 3 of 12 s in their
+    env, step 2's 6 of 8 s; over the run 9 of 20 s."""
+    from reflow.runtime.workers import GroupReport
+
+    def report(episode_s: list[float], env_s: list[float]) -> GroupReport:
+        n = len(episode_s)
+        return GroupReport("g", 0, [0.0] * n, [False] * n, ["ok"] * n, [1] * n, 0, False, 1.0,
+                           episode_seconds=episode_s, env_seconds=env_s)  # fmt: skip
+
+    state, metrics = RunState(), {"trained_tokens": 0.0, "new_trained_tokens": 0.0}
+    first = step_record(state, 1, [report([4.0, 4.0], [1.0, 1.0]), report([4.0], [1.0])], 0, metrics, [], {})
+    second = step_record(state, 1, [report([8.0], [6.0])], 0, metrics, [], {})
+    assert first["env_time_share"] == pytest.approx(0.25) and second["env_time_share"] == pytest.approx(0.75)
+    assert step_record(state, 1, [], 0, metrics, [], {})["env_time_share"] == 0.0  # no episodes: no share
+    config = load_config(None, ["env.id=reflow/Calc-v0", "mode=reflow"])
+    assert run_summary(config, state)["env_time_share"] == pytest.approx(9 / 20)
+
+
 def test_new_trained_tokens_per_s_counts_a_group_once_and_trained_tokens_per_s_every_replay():
     """Step 1 trains groups a and b for the first time (100 + 60 tokens); step 2 replays a and trains
     c for the first time (40 tokens): 300 tokens trained, 200 of them new work."""

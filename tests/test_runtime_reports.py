@@ -4,7 +4,9 @@ from reflow.records import EpisodeRecord, TurnRecord
 from reflow.runtime.workers import report_group
 
 
-def _episode(reward: float, status: str, latencies_s: list[float]) -> EpisodeRecord:
+def _episode(
+    reward: float, status: str, latencies_s: list[float], timings: dict[str, float] | None = None
+) -> EpisodeRecord:
     turn = TurnRecord(
         turn_index=0,
         segment_id=0,
@@ -30,6 +32,7 @@ def _episode(reward: float, status: str, latencies_s: list[float]) -> EpisodeRec
         success=reward > 0,
         policy_version_start=2,
         turns=[turn],
+        timings=timings or {},
     )
 
 
@@ -40,6 +43,13 @@ def test_report_carries_tool_latencies_in_ms_and_spread_without_infra_errors():
     # the only 0-reward episode is an infra error: masked, so no spread left
     report = report_group([_episode(1.0, "ok", []), _episode(0.0, "infra_error", [])], 0.5)
     assert not report.has_spread and report.tool_latencies_ms == []
+
+
+def test_report_carries_each_episodes_time_and_its_time_in_the_env():
+    episodes = [_episode(1.0, "ok", [], {"total_s": 4.0, "env_s": 1.0, "generation_s": 3.0})]
+    episodes.append(_episode(0.0, "ok", [], {"total_s": 2.0, "env_s": 1.5}))
+    report = report_group([*episodes, _episode(0.0, "ok", [])], 0.5)  # an episode without timings: 0
+    assert report.episode_seconds == [4.0, 2.0, 0.0] and report.env_seconds == [1.0, 1.5, 0.0]
 
 
 async def test_held_out_evaluation_is_greedy_by_default_or_a_mean_over_sampled_episodes(

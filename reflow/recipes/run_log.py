@@ -156,6 +156,7 @@ HEADLINE = (
 LABELS = {
     "new_trained_tokens_per_s": "new_trained_tokens_per_s (first use of a group)",
     "trained_tokens_per_s": "trained_tokens_per_s (with replays)",
+    "env_time_share": "env_time_share (of episode time: tools, sandboxes, grading)",
 }
 """Row labels that say which tokens a rate counts."""
 
@@ -242,6 +243,10 @@ def step_record(
     latencies = [x for r in reports for x in r.tool_latencies_ms]
     generated = sum(r.generated_tokens for r in reports)
     state.generated_tokens += generated
+    episode_s = sum(x for r in reports for x in r.episode_seconds)
+    env_s = sum(x for r in reports for x in r.env_seconds)
+    state.episode_s += episode_s
+    state.env_s += env_s
     state.trained_tokens += train_metrics["trained_tokens"]
     state.new_trained_tokens += train_metrics["new_trained_tokens"]
     for s in staleness:
@@ -275,6 +280,7 @@ def step_record(
         "turns_max": max(turns, default=0.0),
         "tool_latency_p50_ms": _quantile(latencies, 0.5),
         "tool_latency_p99_ms": _quantile(latencies, 0.99),
+        "env_time_share": env_s / episode_s if episode_s > 0 else 0.0,
         **times,
         **{f"status_{k}": v for k, v in statuses.items()},
         **{k: v for k, v in train_metrics.items() if k != "train_s"},
@@ -302,6 +308,7 @@ def run_summary(
         "seconds_per_step": state.wall_s / max(state.step, 1),
         "rollout_idle_ratio": idle_ratio(state.rollout_busy_s, state.rollout_slot_s),
         "trainer_idle_ratio": idle_ratio(state.trainer_busy_s, wall),
+        "env_time_share": state.env_s / state.episode_s if state.episode_s > 0 else 0.0,
         "staleness_hist": dict(sorted(state.staleness_hist.items(), key=lambda kv: int(kv[0]))),
         "reuse_hist": reuse_hist or {},
         "role_changes": state.role_changes,

@@ -41,6 +41,10 @@ class RunState:
     `slots_counted_s` (`count_rollout_slots`; the elastic pool changes the count during a run)."""
     slots_counted_s: float = 0.0
     trainer_busy_s: float = 0.0
+    episode_s: float = 0.0
+    """Summed over the episodes of every group the loop received: their durations."""
+    env_s: float = 0.0
+    """The part of `episode_s` spent in the envs (tool calls, sandboxes, grading)."""
     steps_no_signal: int = 0
     """Steps not taken: no group with reward spread, or no sampled token in the batch (no gradient);
     weights and version stayed."""

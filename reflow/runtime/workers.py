@@ -42,6 +42,8 @@ class GroupReport:
     tool_latencies_ms: list[float] = field(default_factory=list)
     episode_seconds: list[float] = field(default_factory=list)
     """Each episode's duration (the tail scheduler's remaining-time estimate)."""
+    env_seconds: list[float] = field(default_factory=list)
+    """Each episode's time in its env (tool calls, sandboxes, grading), the rest being generation."""
 
 
 def _threads(config: RunConfig) -> int:
@@ -94,6 +96,7 @@ def report_group(records: list[EpisodeRecord], seconds: float) -> GroupReport:
         seconds=seconds,
         tool_latencies_ms=latencies,
         episode_seconds=[float(r.timings.get("total_s", 0.0)) for r in records],
+        env_seconds=[float(r.timings.get("env_s", 0.0)) for r in records],
     )
 
 
