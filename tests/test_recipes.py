@@ -1,6 +1,7 @@
 """`reflow rollout` and `reflow warmstart`, run as a user runs them (small budgets)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -247,6 +248,32 @@ def test_a_warm_start_cut_short_by_its_time_cap_is_not_reused(small_model, tmp_p
     reused_path, reused = warm(600.0, "d")
     assert reused["cached"] is True and reused["stopped_by"] == "steps"
     assert Path(reused_path).is_dir() and Path(path).parent == Path(reused_path).parent
+
+
+@pytest.mark.slow
+def test_the_warm_start_trains_in_a_process_of_its_own_and_its_log_reaches_the_run(small_model, tmp_path):
+    """Run in the driver, SFT's memory (the model, optimizer, allocator caches) stayed with the driver
+    for the whole RL run: a clean interpreter runs `run_warmstart` and has not trained anything."""
+    script = f"""
+import json, sys
+from reflow.config import RunConfig
+from reflow.recipes.initial_model import run_warmstart
+from reflow.recipes.run_log import RunLog
+
+ws = {{"demos": 8, "max_steps": 2, "batch_tokens": 512}}
+config = RunConfig(env={{"id": "reflow/Math-v0"}}, model={small_model!r}, warmstart=ws)
+path = run_warmstart(config, RunLog({str(tmp_path / "run")!r}, live=False))
+# warmstart() imports its engine for the dev and held-out evaluations; nothing else here does
+print("RESULT", json.dumps({{"path": path, "trained_here": "reflow.engine.torch_engine" in sys.modules}}))
+"""
+    env = {**os.environ, "REFLOW_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    result = json.loads(line.removeprefix("RESULT "))
+    assert result["trained_here"] is False
+    assert (Path(result["path"]) / "config.json").is_file()
+    assert "demo rows" in out.stdout  # the SFT process's log lines, relayed to the run's console
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from reflow.config import RunConfig
 from reflow.models.presets import cache_dir, resolve_model_path
 from reflow.recipes.run_state import RunState
-from reflow.recipes.warmstart import env_demo_kwargs, warmstart
+from reflow.recipes.warmstart import env_demo_kwargs, in_fresh_process, warmstart
 from reflow.rollout.collect import DEMO_SEED_BASE
 
 if TYPE_CHECKING:
@@ -68,10 +68,13 @@ def run_warmstart(config: RunConfig, log: RunLog) -> str:
     log.console.print(
         f"warm start: SFT on {ws.demos} scripted {config.env.id} episodes (≤ {ws.seconds:.0f}s)"
     )
-    summary = warmstart(
-        config.env.id,
-        config.model.name,
-        tmp,
+    # in a process of its own, so the driver does not keep the memory SFT took for the whole run
+    summary = in_fresh_process(
+        warmstart,
+        lambda msg: log.console.print(f"  {msg}"),
+        env_id=config.env.id,
+        model_name=config.model.name,
+        out_dir=tmp,
         demos=ws.demos,
         error_rate=ws.error_rate,
         seconds=ws.seconds,
@@ -86,7 +89,6 @@ def run_warmstart(config: RunConfig, log: RunLog) -> str:
         dev_every=ws.dev_every,
         patience=ws.patience,
         dev_env_kwargs=config.env.kwargs,
-        log=lambda msg: log.console.print(f"  {msg}"),
     )
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -196,6 +197,61 @@ def warmstart(
     }
     (out / "warmstart.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _child_main(conn: Any, fn: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+    """The fresh process's side of `in_fresh_process`: log lines, then ("done", result) or ("error", e)."""
+    try:
+        result = fn(**kwargs, log=lambda msg: conn.send(("log", str(msg))))
+    except BaseException as e:  # the parent re-raises it (a KeyboardInterrupt too: it then stops)
+        try:
+            conn.send(("error", e))
+        except Exception:  # an exception that does not pickle: its type and text
+            conn.send(("error", RuntimeError(f"{type(e).__name__}: {e}")))
+    else:
+        conn.send(("done", result))
+    finally:
+        conn.close()
+
+
+def in_fresh_process(fn: Callable[..., Any], log: Callable[[str], Any], **kwargs: Any) -> Any:
+    """`fn(**kwargs, log=...)` in a new (spawned) process, whose log lines reach `log` as they come and
+    whose result or exception comes back here.
+
+    Why: a warm start loads a model, its optimizer and activations; run in the driver, the allocator
+    keeps that memory (RAM, or on a GPU device memory) for the whole RL run, which the actors then
+    lack (a 135M-parameter warm start left the driver 5.7 GB). A process of its own hands it all back
+    when it ends. `fn` and `kwargs` must pickle; the child sees the registered envs through their entry
+    points, as Ray actors do. A child that dies without answering (killed, out of memory) is a
+    RuntimeError naming its exit code."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child_main, args=(send, fn, kwargs), name=f"reflow-{fn.__name__}", daemon=True)
+    proc.start()
+    send.close()  # only the child writes: recv() sees EOF once it is gone
+    try:
+        while True:
+            try:
+                kind, payload = receive.recv()
+            except EOFError:
+                proc.join()
+                raise RuntimeError(
+                    f"{fn.__name__}'s process ended without a result (exit code {proc.exitcode})"
+                ) from None
+            if kind == "log":
+                log(payload)
+            elif kind == "error":
+                raise payload
+            else:
+                return payload
+    finally:
+        receive.close()
+        proc.join(timeout=30)
+        if proc.is_alive():  # interrupted here, or it hangs on the way out
+            proc.kill()
+            proc.join()
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
