@@ -62,3 +62,19 @@ def test_a_child_that_dies_without_answering_is_an_error_naming_its_exit_code():
     with pytest.raises(RuntimeError, match=r"_die's process ended without a result \(exit code -9\)"):
         in_fresh_process(_die, lines.append)
     assert lines == ["dying"]
+
+
+class _TwoArgs(Exception):
+    """Pickles (its args hold the message) but does not unpickle: __init__ wants two arguments."""
+
+    def __init__(self, key: str, why: str) -> None:
+        super().__init__(f"{key}: {why}")
+
+
+def _fail_with_two_args(log) -> None:
+    raise _TwoArgs("warmstart.lr", "must be > 0")
+
+
+def test_an_exception_that_would_not_unpickle_here_comes_back_as_its_type_and_text():
+    with pytest.raises(RuntimeError, match=r"_TwoArgs: warmstart\.lr: must be > 0"):
+        in_fresh_process(_fail_with_two_args, lambda _: None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import pickle
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -205,9 +206,12 @@ def _child_main(conn: Any, fn: Callable[..., Any], kwargs: dict[str, Any]) -> No
         result = fn(**kwargs, log=lambda msg: conn.send(("log", str(msg))))
     except BaseException as e:  # the parent re-raises it (a KeyboardInterrupt too: it then stops)
         try:
-            conn.send(("error", e))
-        except Exception:  # an exception that does not pickle: its type and text
-            conn.send(("error", RuntimeError(f"{type(e).__name__}: {e}")))
+            # the parent unpickles what it receives: an exception whose __init__ does not take its own
+            # args pickles here and would fail there with an unrelated TypeError
+            pickle.loads(pickle.dumps(e))
+        except Exception:  # sent as its type and text instead
+            e = RuntimeError(f"{type(e).__name__}: {e}")
+        conn.send(("error", e))
     else:
         conn.send(("done", result))
     finally:
