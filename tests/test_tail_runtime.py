@@ -224,3 +224,49 @@ def test_reflow_run_migrates_episodes_and_loses_no_group_or_episode(tmp_path, mo
     moved = [records[m["episode"]] for m in decided if m["episode"] in records]
     assert moved, "no migrated episode's group was stored"
     assert all(r.timings.get("migrations", 0) >= 1 and r.status in ("ok", "truncated") for r in moved)
+
+
+class FakeWorker:
+    """A rollout worker's tail side as the runtime calls it (`migrate`, `progress`), its calls'
+    results handed back at once by a stand-in `ray.get`; `measured`: the migrations it reports next."""
+
+    def __init__(self, engine: str) -> None:
+        self.engine, self.measured = engine, []
+        self.migrate = SimpleNamespace(remote=lambda episode, target, name: {"applied": True})
+        self.progress = SimpleNamespace(remote=self._progress)
+
+    def _progress(self) -> dict:
+        report = {"engine": self.engine, "limit": 8, "curve": [], "episodes": [], "prefill_tokens_per_s": 0}
+        report["migrations"], self.measured = self.measured, []
+        return report
+
+
+def test_an_episode_moved_twice_before_its_first_move_was_measured_logs_both_decisions(monkeypatch):
+    import reflow.runtime.tail as tail
+
+    monkeypatch.setattr(tail, "ray", SimpleNamespace(get=lambda ref, timeout=None: ref))
+    cluster = Slots()
+    cluster.rollout = [FakeWorker("w0"), FakeWorker("w2")]
+    rt = TailRuntime(cluster, group_size=2, limit=8)
+    rt.owner = {"a": "w0"}
+    first, second = Migrate("a", "w0", "w2", 100, "tail"), Migrate("a", "w2", "w0", 120, "tail again")
+    assert rt.migrate(first) == {"applied": True} and rt.migrate(second) == {"applied": True}
+    # the worker measured both: the first move superseded by the second, which generated on w0
+    report = {"episode": "a", "group": "g1", "in_flight": True, "handoff_s": None, "first_token_s": None}
+    cluster.rollout[0].measured = [
+        {**report, "source": "w0", "target": "w2", "outcome": "superseded", "reprefill_tokens": 0},
+        {
+            **report,
+            "source": "w2",
+            "target": "w0",
+            "outcome": "ok",
+            "reprefill_tokens": 120,
+            "first_token_s": 0.2,
+        },
+    ]
+    events = rt.poll(1.0, force=True) + rt.close(2.0)
+    # two applied decisions, two events each with its own decision (tokens, why) and its measurement
+    assert [(e["target"], e["tokens"], e["why"], e["outcome"]) for e in events] == [
+        ("w2", 100, "tail", "superseded"),
+        ("w0", 120, "tail again", "ok"),
+    ]

@@ -96,7 +96,8 @@ class TailRuntime:
         self.seen: set[str] = set()  # groups whose episodes a snapshot listed
         self.moved: dict[str, str] = {}  # episode -> engine it moved to since the snapshot
         self.owner: dict[str, str] = {}  # episode -> the engine of the worker that runs it
-        self.decided: dict[str, tuple[Migrate, float | None]] = {}  # applied, unmeasured; predicted s
+        # episode -> its moves applied and not yet measured, in order: (decision, predicted seconds)
+        self.decided: dict[str, list[tuple[Migrate, float | None]]] = {}
         self.limits: dict[str, int] = {}
         self.released: set[str] = set()
 
@@ -200,10 +201,17 @@ class TailRuntime:
             return {"applied": False, "error": f"{type(e).__name__}: {e}"}
         if not result["applied"]:
             return {"applied": False, "error": result["error"]}
+        self.applied(action)
+        return {"applied": True}
+
+    def applied(self, action: Migrate) -> None:
+        """`action` was applied: its episode generates on the target; its event waits for the worker's
+        measurement. An episode may move again before that (its first move is then reported
+        superseded): each move keeps its own decision, matched by target."""
         self.moved[action.episode] = action.target
         rate = self.prefill_tokens_per_s
-        self.decided[action.episode] = (action, action.tokens / rate if rate > 0 else None)
-        return {"applied": True}
+        predicted = action.tokens / rate if rate > 0 else None
+        self.decided.setdefault(action.episode, []).append((action, predicted))
 
     def free(self, action: FreeSlot) -> bool:
         """Apply one `FreeSlot`: True when the engine now serves the next batch."""
@@ -237,16 +245,20 @@ class TailRuntime:
         events: list[dict[str, Any]] = []
         with contextlib.suppress(Exception):  # workers already gone: what was measured is lost with them
             events = self.poll(now, force=True)
-        for action, predicted in self.decided.values():
-            events.append(self._event(action, predicted, {"outcome": "unmeasured (the run ended first)"}))
+        for moves in self.decided.values():
+            for action, predicted in moves:
+                events.append(self._event(action, predicted, {"outcome": "unmeasured (the run ended first)"}))
         self.decided.clear()
         return events
 
     def _measured(self, report: dict[str, Any]) -> dict[str, Any]:
-        decided = self.decided.get(report["episode"])
-        if decided is not None and decided[0].target == report["target"]:
-            del self.decided[report["episode"]]
-            return self._event(decided[0], decided[1], report)
+        moves = self.decided.get(report["episode"], [])
+        for i, (action, predicted) in enumerate(moves):
+            if action.target == report["target"]:
+                del moves[i]
+                if not moves:
+                    del self.decided[report["episode"]]
+                return self._event(action, predicted, report)
         why = "the target failed: the episode went back to its own engine"
         if not report["outcome"].startswith("ok"):
             why = f"migration {report['outcome']}"
