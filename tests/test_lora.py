@@ -191,3 +191,27 @@ def test_apply_lora_keeps_an_eval_model_in_eval_mode_so_adapter_dropout_is_off(b
         assert torch.equal(model(ids).logits, model(ids).logits)
     served, _ = load_lora_model(base[0], settings)
     assert not any(m.training for m in served.modules())
+
+
+def test_a_run_folder_moved_elsewhere_still_finds_its_checkpoints_base(tmp_path):
+    import shutil
+
+    from reflow.models.adapters import base_model_path
+    from reflow.train.lora import save_adapters
+
+    run = tmp_path / "here" / "run"
+    (run / "model-base").mkdir(parents=True)
+    (run / "model-base" / "config.json").write_text("{}")
+    adapters = {"model.layers.0.self_attn.q_proj.lora_A.default.weight": torch.zeros(4, 8)}
+    save_adapters(run / "checkpoints" / "step-000001", adapters, LORA, base=run / "model-base")
+    moved = tmp_path / "there" / "run"
+    shutil.move(run, moved)  # copied to another machine, or renamed
+    ckpt = moved / "checkpoints" / "step-000001"
+    assert base_model_path(ckpt) == (moved / "model-base").resolve()
+    # peft's own field still names the base where it was written (peft and SGLang read it as they will)
+    assert json.loads((ckpt / ADAPTER_CONFIG).read_text())["base_model_name_or_path"] == str(
+        (run / "model-base").resolve()
+    )
+    shutil.rmtree(moved / "model-base")  # a base that is gone everywhere: the error names it
+    with pytest.raises(FileNotFoundError, match="not a model folder"):
+        base_model_path(ckpt)

@@ -3,7 +3,7 @@ base with the adapters merged in, which `load_model` returns for such a folder.
 
 An adapter folder holds `adapter_config.json` (peft's `LoraConfig`, with `base_model_name_or_path`
 naming the base model's folder) and `adapter_model.safetensors`; reflow's also hold the base's
-`config.json` and the tokenizer. `reflow.train.lora` writes them (the trainer's checkpoints under
+`config.json`, the tokenizer and `reflow_base.json` (the base's path relative to the folder). `reflow.train.lora` writes them (the trainer's checkpoints under
 `model.lora`); `peft.PeftModel.from_pretrained` and SGLang's `/load_lora_adapter` read them too.
 A model with adapters injected in place (`peft.inject_adapter_in_model`, as the trainer and the engines
 hold them) names them `...q_proj.lora_A.default.weight`; the file names them as a `PeftModel` does
@@ -18,6 +18,9 @@ from typing import Any
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+BASE_LINK = "reflow_base.json"
+"""reflow's note beside peft's config: the base's path relative to the adapter folder, so that a run
+folder (its checkpoints and its `model-base`) still finds its base when moved or copied elsewhere."""
 ADAPTER_NAME = "default"  # peft's name for a model's only adapter
 _PEFT_PREFIX = "base_model.model."  # a PeftModel's prefix of the wrapped model's names
 
@@ -32,10 +35,15 @@ def adapter_config(folder: str | Path) -> dict[str, Any]:
 
 
 def base_model_path(path: str | Path) -> Path:
-    """The base model folder an adapter folder names; any other folder is its own base."""
+    """The base model folder an adapter folder names (where it was written, else at the same place
+    relative to the adapter folder: a moved run folder); any other folder is its own base."""
     if not is_adapter_folder(path):
         return Path(path)
     base = Path(adapter_config(path)["base_model_name_or_path"])
+    link = Path(path) / BASE_LINK
+    if not (base / "config.json").is_file() and link.is_file():
+        moved = (Path(path) / json.loads(link.read_text())["relative"]).resolve()
+        base = moved if (moved / "config.json").is_file() else base
     if not (base / "config.json").is_file():
         raise FileNotFoundError(
             f"{path} holds LoRA adapters on {base}, which is not a model folder (any more)"
