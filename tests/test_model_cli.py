@@ -168,6 +168,7 @@ print(json.dumps({"prompt": list(ids), "completion": out[0, len(ids):].tolist()}
 def test_export_writes_a_folder_plain_transformers_loads_and_that_generates_the_checkpoints_tokens(
     checkpoint, small_model, tmp_path
 ):
+    import torch
     from safetensors.torch import load_file
 
     from reflow.models import load_model
@@ -193,6 +194,17 @@ def test_export_writes_a_folder_plain_transformers_loads_and_that_generates_the_
     assert "pass --overwrite" in fails("export", str(checkpoint), str(out_dir))
     ok("export", str(checkpoint), str(out_dir), "--overwrite")
     assert (out_dir / "model.safetensors").is_file() and not (tmp_path / ".exported.tmp").exists()
+
+    # half the size, as servers run it: the trained weights rounded to bfloat16, and said so in the config
+    ok("export", str(checkpoint), str(out_dir), "--overwrite", "--dtype", "bfloat16")
+    half = load_file(out_dir / "model.safetensors")
+    assert half.keys() == exported.keys() and all(v.dtype == torch.bfloat16 for v in half.values())
+    assert all((half[k] == exported[k].to(torch.bfloat16)).all() for k in half)
+    assert json.loads((out_dir / "config.json").read_text())["dtype"] == "bfloat16"
+    assert json.loads((out_dir / "reflow_export.json").read_text())["dtype"] == "bfloat16"
+    assert "invalid choice" in fails(
+        "export", str(checkpoint), str(out_dir), "--overwrite", "--dtype", "int8"
+    )
 
 
 def _generates_as_in_torch_engine(out_dir: Path, model, tokenizer) -> None:

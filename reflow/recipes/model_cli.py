@@ -155,11 +155,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def export_model(source: str, out: str | Path, *, overwrite: bool = False) -> Path:
-    """Write the model `source` names as a Hugging Face folder at `out`: weights (safetensors), config,
-    generation config, tokenizer and chat template; no optimizer, RNG or run state. Written beside `out`
-    and renamed into place, so a reader never sees half a folder."""
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def export_model(source: str, out: str | Path, *, overwrite: bool = False, dtype: str = "float32") -> Path:
+    """Write the model `source` names as a Hugging Face folder at `out`: weights (safetensors, in
+    `dtype`: the checkpoint's float32, or half the size in bfloat16 / float16 as servers run them),
+    config, generation config, tokenizer and chat template; no optimizer, RNG or run state. Written
+    beside `out` and renamed into place, so a reader never sees half a folder."""
+    import torch
+
     from reflow.models import load_model
+
+    if dtype not in EXPORT_DTYPES:
+        raise UsageError(f"--dtype {dtype}: one of {', '.join(EXPORT_DTYPES)}")
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
@@ -171,9 +180,12 @@ def export_model(source: str, out: str | Path, *, overwrite: bool = False) -> Pa
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.to(getattr(torch, dtype)).save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    info: dict[str, Any] = {"source": str(Path(path).resolve()) if Path(path).is_dir() else path}
+    info: dict[str, Any] = {
+        "source": str(Path(path).resolve()) if Path(path).is_dir() else path,
+        "dtype": dtype,
+    }
     state = Path(path) / "state.json"
     if state.is_file():
         saved = json.loads(state.read_text())
@@ -190,8 +202,8 @@ def export_model(source: str, out: str | Path, *, overwrite: bool = False) -> Pa
 def cmd_export(args: argparse.Namespace) -> int:
     from reflow.console import console
 
-    out = export_model(args.checkpoint, args.out, overwrite=args.overwrite)
-    console.print(f"exported {model_folder(args.checkpoint)} to {out} (a Hugging Face folder)")
+    out = export_model(args.checkpoint, args.out, overwrite=args.overwrite, dtype=args.dtype)
+    console.print(f"exported {model_folder(args.checkpoint)} to {out} (a Hugging Face folder, {args.dtype})")
     return 0
 
 
@@ -222,4 +234,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint", help="a run folder (its latest checkpoint), a checkpoint or an HF folder")
     p.add_argument("out", help="the folder to write")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    p.add_argument(
+        "--dtype",
+        choices=EXPORT_DTYPES,
+        default="float32",
+        help="the weights' type: float32 (as trained, the default) or half the size as servers run them",
+    )
     p.set_defaults(fn=cmd_export)
