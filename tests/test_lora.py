@@ -193,17 +193,21 @@ def test_apply_lora_keeps_an_eval_model_in_eval_mode_so_adapter_dropout_is_off(b
     assert not any(m.training for m in served.modules())
 
 
-def test_a_run_folder_moved_elsewhere_still_finds_its_checkpoints_base(tmp_path):
+def test_a_run_folder_moved_or_copied_elsewhere_reads_its_own_base_in_checkpoints_and_resume(tmp_path):
     import shutil
 
     from reflow.models.adapters import base_model_path
+    from reflow.recipes.initial_model import resumed_model
     from reflow.train.lora import save_adapters
 
+    def run_with_base(run, weights: str):
+        (run / "model-base").mkdir(parents=True)
+        (run / "model-base" / "config.json").write_text(weights)
+        adapters = {"model.layers.0.self_attn.q_proj.lora_A.default.weight": torch.zeros(4, 8)}
+        return save_adapters(run / "checkpoints" / "step-000001", adapters, LORA, base=run / "model-base")
+
     run = tmp_path / "here" / "run"
-    (run / "model-base").mkdir(parents=True)
-    (run / "model-base" / "config.json").write_text("{}")
-    adapters = {"model.layers.0.self_attn.q_proj.lora_A.default.weight": torch.zeros(4, 8)}
-    save_adapters(run / "checkpoints" / "step-000001", adapters, LORA, base=run / "model-base")
+    run_with_base(run, "{}")
     moved = tmp_path / "there" / "run"
     shutil.move(run, moved)  # copied to another machine, or renamed
     ckpt = moved / "checkpoints" / "step-000001"
@@ -212,6 +216,16 @@ def test_a_run_folder_moved_elsewhere_still_finds_its_checkpoints_base(tmp_path)
     assert json.loads((ckpt / ADAPTER_CONFIG).read_text())["base_model_name_or_path"] == str(
         (run / "model-base").resolve()
     )
-    shutil.rmtree(moved / "model-base")  # a base that is gone everywhere: the error names it
+    # resumed there: the checkpoint linked one level up still names the moved run's base, and the
+    # checkpoint's own link (a hard link's other name) is left as it was
+    resumed = resumed_model(ckpt, moved)
+    assert base_model_path(resumed) == (moved / "model-base").resolve()
+    assert base_model_path(ckpt) == (moved / "model-base").resolve()
+    # a copy whose original is still there, its base since rebuilt: the copy reads its own base
+    run_with_base(run, '{"rebuilt": true}')
+    assert base_model_path(ckpt) == (moved / "model-base").resolve()
+    shutil.rmtree(moved / "model-base")  # its own base gone: the absolute path is what is left
+    assert base_model_path(ckpt) == (run / "model-base").resolve()
+    shutil.rmtree(run / "model-base")  # gone everywhere: the error names it
     with pytest.raises(FileNotFoundError, match="not a model folder"):
         base_model_path(ckpt)

@@ -3,8 +3,10 @@ base with the adapters merged in, which `load_model` returns for such a folder.
 
 An adapter folder holds `adapter_config.json` (peft's `LoraConfig`, with `base_model_name_or_path`
 naming the base model's folder) and `adapter_model.safetensors`; reflow's also hold the base's
-`config.json`, the tokenizer and `reflow_base.json` (the base's path relative to the folder). `reflow.train.lora` writes them (the trainer's checkpoints under
-`model.lora`); `peft.PeftModel.from_pretrained` and SGLang's `/load_lora_adapter` read them too.
+`config.json`, the tokenizer and `reflow_base.json` (the base's path relative to the folder, which
+wins: a moved or copied run folder reads its own base). `reflow.train.lora` writes them (the trainer's
+checkpoints under `model.lora`); `peft.PeftModel.from_pretrained` and SGLang's `/load_lora_adapter`
+read them too.
 A model with adapters injected in place (`peft.inject_adapter_in_model`, as the trainer and the engines
 hold them) names them `...q_proj.lora_A.default.weight`; the file names them as a `PeftModel` does
 (`to_peft_keys`, `from_peft_keys`).
@@ -13,6 +15,7 @@ hold them) names them `...q_proj.lora_A.default.weight`; the file names them as 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,21 +32,30 @@ def is_adapter_folder(path: str | Path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
+def write_base_link(folder: str | Path, base: str | Path) -> None:
+    """Write `folder`'s `reflow_base.json`: `base` relative to it (a new file, never through a hard
+    link that another folder shares)."""
+    link = Path(folder) / BASE_LINK
+    link.unlink(missing_ok=True)
+    link.write_text(json.dumps({"relative": os.path.relpath(Path(base).resolve(), Path(folder).resolve())}))
+
+
 def adapter_config(folder: str | Path) -> dict[str, Any]:
     """The folder's `adapter_config.json`."""
     return json.loads((Path(folder) / ADAPTER_CONFIG).read_text())
 
 
 def base_model_path(path: str | Path) -> Path:
-    """The base model folder an adapter folder names (where it was written, else at the same place
-    relative to the adapter folder: a moved run folder); any other folder is its own base."""
+    """The base model folder of an adapter folder: at its `reflow_base.json`'s relative path (a run
+    folder moved or copied elsewhere reads its own base), else the absolute path peft's config names;
+    any other folder is its own base."""
     if not is_adapter_folder(path):
         return Path(path)
     base = Path(adapter_config(path)["base_model_name_or_path"])
     link = Path(path) / BASE_LINK
-    if not (base / "config.json").is_file() and link.is_file():
-        moved = (Path(path) / json.loads(link.read_text())["relative"]).resolve()
-        base = moved if (moved / "config.json").is_file() else base
+    if link.is_file():
+        near = (Path(path) / json.loads(link.read_text())["relative"]).resolve()
+        base = near if (near / "config.json").is_file() else base
     if not (base / "config.json").is_file():
         raise FileNotFoundError(
             f"{path} holds LoRA adapters on {base}, which is not a model folder (any more)"

@@ -144,8 +144,14 @@ def resumed_model(ckpt: Path, run_dir: Path) -> Path:
     """The checkpoint's model folder (weights, config, tokenizer) linked into `run_dir/model-resumed`,
     which checkpoint rotation never touches: the actors a resumed run starts later (an elastic role
     change, a new rollout worker) and SGLang weight pushes (which copy its config and tokenizer files)
-    read it for the whole run, after `train.keep_checkpoints` has removed the checkpoint itself."""
-    return link_model(ckpt, run_dir / "model-resumed", skip=TRAINER_ONLY)
+    read it for the whole run, after `train.keep_checkpoints` has removed the checkpoint itself.
+    Adapters keep naming the base they were trained on, relative to their new place."""
+    from reflow.models.adapters import base_model_path, is_adapter_folder, write_base_link
+
+    dest = link_model(ckpt, run_dir / "model-resumed", skip=TRAINER_ONLY)
+    if is_adapter_folder(ckpt):
+        write_base_link(dest, base_model_path(ckpt))
+    return dest
 
 
 def link_model(src: Path, dest: Path, skip: tuple[str, ...] = ()) -> Path:

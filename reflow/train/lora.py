@@ -20,7 +20,6 @@ the base's `config.json` and the tokenizer, so it is a model folder the rest of 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +29,12 @@ from reflow.models.adapters import (
     ADAPTER_CONFIG,
     ADAPTER_NAME,
     ADAPTER_WEIGHTS,
-    BASE_LINK,
     adapter_config,
     base_model_path,
     is_adapter_folder,
     read_adapter_weights,
     to_peft_keys,
+    write_base_link,
 )
 from reflow.train.settings import LoraSettings
 
@@ -110,8 +109,7 @@ def save_adapters(
     config["base_model_name_or_path"] = str(Path(base).resolve())
     config["target_modules"] = sorted(config["target_modules"])  # peft keeps a set: JSON needs a list
     (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, default=str))
-    relative = os.path.relpath(Path(base).resolve(), folder.resolve())
-    (folder / BASE_LINK).write_text(json.dumps({"relative": relative}))
+    write_base_link(folder, base)
     return folder
 
 
