@@ -327,6 +327,41 @@ def test_a_lora_runs_checkpoints_name_a_base_of_its_own_that_outlives_the_warm_s
         assert torch.equal(resumed(ids).logits, before)
 
 
+def test_a_full_weight_run_reads_the_model_it_started_from_after_the_cache_is_trained_again(
+    small_model, tmp_path, monkeypatch
+):
+    """Actors started mid-run (an elastic role change) load the run's model path then: a warm start in
+    the cache that another run with the same key trains again, or that is cleared, must not change or
+    remove the model of a run already going."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from reflow.config import RunConfig
+    from reflow.recipes.initial_model import prepare_model
+    from reflow.recipes.run_log import RunLog
+
+    monkeypatch.setenv("REFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    ws = {"demos": 8, "max_steps": 3, "seconds": 0.001, "batch_tokens": 512, "lr": 0.5}  # cut short
+
+    def start(name: str) -> Path:
+        config = RunConfig(
+            env={"id": "reflow/Math-v0"}, model={"name": small_model}, warmstart=ws,
+            out_dir=str(tmp_path / "runs"), run_name=name,
+        )  # fmt: skip
+        path, _, _ = prepare_model(config, config.run_dir, RunLog(config.run_dir, live=False), resume=False)
+        return Path(path)
+
+    path = start("a")
+    assert path.is_relative_to(tmp_path / "runs" / "a")
+    before = load_file(path / "model.safetensors")
+    start("b")  # the same warm-start key: the cut-short warm start is trained again, its folder replaced
+    shutil.rmtree(tmp_path / "cache")
+    after = load_file(path / "model.safetensors")
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
 def test_a_lora_run_on_another_runs_checkpoint_keeps_its_base_when_that_run_rotates_it(small_model, tmp_path):
     """LoRA on top of a full-weights RL checkpoint: that run's rotation (`train.keep_checkpoints`)
     removes the folder, so the run links it as its own base first."""

@@ -111,25 +111,26 @@ def prepare_model(
         path = run_warmstart(config, log)
     else:
         path = str(resolve_model_path(config.model.name, **dict(config.model_overrides)))
-    if config.model.lora is not None:
-        path = str(lora_base(Path(path), run_dir))
+    path = str(run_base(Path(path), run_dir))
     return path, RunState(), None
 
 
 TRAINER_ONLY = ("optimizer.pt", "rng.pt")
 """Files of a checkpoint that only the trainer reads (restored from the checkpoint itself)."""
 
-LORA_BASE = "model-base"
-"""In the run folder: a LoRA run's base model, when it came from reflow's cache or a checkpoint
-(`lora_base`)."""
+RUN_BASE = "model-base"
+"""In the run folder: the model the run started from, when it came from reflow's cache or a checkpoint
+(`run_base`)."""
 
 
-def lora_base(path: Path, run_dir: Path) -> Path:
-    """The base model folder of a `model.lora` run, which its checkpoints (adapters alone) name by path.
-    A folder in reflow's cache is reflow's to replace (a run with the same warm-start key trains a
-    time-capped warm start again) or to clear, and another run's checkpoint goes when that run rotates
-    it: such a folder is linked into `run_dir/model-base` first, which nothing else writes, so resume
-    and export read the model the adapters were trained on. Any other folder is used where it is."""
+def run_base(path: Path, run_dir: Path) -> Path:
+    """The model folder a run starts from and its actors read for the whole run (a trainer rank or
+    rollout worker started by an elastic role change loads it then; a `model.lora` run's checkpoints,
+    adapters alone, name it by path). A folder in reflow's cache is reflow's to replace (a run with the
+    same warm-start key trains a time-capped or uncached warm start again) or to clear, and another
+    run's checkpoint goes when that run rotates it: such a folder is linked into `run_dir/model-base`
+    first, which nothing else writes, so the run, its resume and its export read the model it started
+    from. Any other folder is used where it is."""
     from reflow.models.adapters import is_adapter_folder
     from reflow.train.trainer_state import STATE_FILE
 
@@ -137,7 +138,7 @@ def lora_base(path: Path, run_dir: Path) -> Path:
     checkpoint = (path / STATE_FILE).is_file() and not is_adapter_folder(path)
     if not (cached or checkpoint):
         return path
-    return link_model(path, run_dir / LORA_BASE, skip=(*TRAINER_ONLY, STATE_FILE))
+    return link_model(path, run_dir / RUN_BASE, skip=(*TRAINER_ONLY, STATE_FILE))
 
 
 def resumed_model(ckpt: Path, run_dir: Path) -> Path:
