@@ -38,8 +38,8 @@ train: $(STAMP)
 # The real-model job (configs/pycode-smollm2.yaml): SmolLM2-135M-Instruct, whose weights come in a
 # package, warm-started on scripted demonstrations, then LoRA RL on reflow/PyCode-v0, every program the
 # model writes run in a Docker sandbox; held-out greedy success on 200 tasks before and after. It needs
-# a Docker engine (the sandbox image is built on first use). About 76 minutes on 2 CPU cores: 9 warm
-# start, 8 per measurement, 4 per RL step; held-out greedy 51.0% -> 60.5% (docs/results.md).
+# a Docker engine (the sandbox image is built on first use). 52 minutes on 2 idle CPU cores: 8.5 warm
+# start, 9 per measurement, 27 of RL (a time budget); held-out greedy 51.0% -> 66.0% (docs/results.md).
 train-real: $(SMOLLM2)
 	$(VENV)/bin/reflow sandbox build
 	RAY_AUTH_MODE=disabled $(VENV)/bin/reflow agent-train --config configs/pycode-smollm2.yaml --overwrite $(ARGS)
