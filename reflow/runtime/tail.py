@@ -96,7 +96,9 @@ class TailRuntime:
         self.seen: set[str] = set()  # groups whose episodes a snapshot listed
         self.moved: dict[str, str] = {}  # episode -> engine it moved to since the snapshot
         self.owner: dict[str, str] = {}  # episode -> the engine of the worker that runs it
-        # episode -> its moves applied and not yet measured, in order: (decision, predicted seconds)
+        # episode -> its moves applied and not yet measured, in order: (decision, predicted seconds);
+        # an episode may move again before its first move is measured (reported superseded), so each
+        # move keeps its own decision, matched to its measurement by target
         self.decided: dict[str, list[tuple[Migrate, float | None]]] = {}
         self.limits: dict[str, int] = {}
         self.released: set[str] = set()
@@ -201,17 +203,11 @@ class TailRuntime:
             return {"applied": False, "error": f"{type(e).__name__}: {e}"}
         if not result["applied"]:
             return {"applied": False, "error": result["error"]}
-        self.applied(action)
-        return {"applied": True}
-
-    def applied(self, action: Migrate) -> None:
-        """`action` was applied: its episode generates on the target; its event waits for the worker's
-        measurement. An episode may move again before that (its first move is then reported
-        superseded): each move keeps its own decision, matched by target."""
         self.moved[action.episode] = action.target
         rate = self.prefill_tokens_per_s
         predicted = action.tokens / rate if rate > 0 else None
         self.decided.setdefault(action.episode, []).append((action, predicted))
+        return {"applied": True}
 
     def free(self, action: FreeSlot) -> bool:
         """Apply one `FreeSlot`: True when the engine now serves the next batch."""
