@@ -60,7 +60,7 @@ def test_cli_starts_without_heavy_imports():
 # below its own, never from its own layer's other packages or from above. Every import counts: at the
 # top, inside a function, or for type checking only.
 LAYERS = [
-    {"errors", "metrics", "console"},  # definitions the whole tree shares
+    {"errors", "metrics", "console", "folders"},  # definitions and helpers the whole tree shares
     {"env", "policy"},  # the env API; the scheduling policies (pure)
     {"records", "interop", "sandbox", "models", "wandb_sink"},  # wandb_sink: the W&B settings and run
     {"server", "engine", "replay"},

@@ -248,6 +248,8 @@ def test_a_warm_start_cut_short_by_its_time_cap_is_not_reused(small_model, tmp_p
     reused_path, reused = warm(600.0, "d")
     assert reused["cached"] is True and reused["stopped_by"] == "steps"
     assert Path(reused_path).is_dir() and Path(path).parent == Path(reused_path).parent
+    assert full["model"] == reused["model"] == reused_path  # the folder, not where it was built
+    assert not list(Path(reused_path).parent.glob(".*"))  # no staging folder left beside it
 
 
 @pytest.mark.slow

@@ -1,7 +1,9 @@
 """The RL trainer: sync-mode IS weights, masking of infra errors, micro-batching, checkpoints."""
 
 import random
+import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +15,13 @@ from reflow.train.batch import rows_from_groups, shard_groups, trained_before
 from reflow.train.losses import LossConfig
 from reflow.train.settings import LoraSettings
 from reflow.train.trainer import PolicyTrainer, TrainerConfig, TrainRow
-from reflow.train.trainer_state import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from reflow.train.trainer_state import (
+    STATE_FILE,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 
 def _model(seed: int = 0):
@@ -487,9 +495,36 @@ def test_checkpoints_are_pruned_and_half_written_ones_ignored(tmp_path):
         trainer.train_step(_rows())
         save_checkpoint(tmp_path, trainer, keep=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000002", "step-000003"]
-    (tmp_path / ".tmp-step-000004").mkdir()  # a save killed midway
+    (tmp_path / ".step-000004.x1.tmp").mkdir()  # a save killed midway
     (tmp_path / "step-000005").mkdir()  # no state.json: not finished
     assert latest_checkpoint(tmp_path).name == "step-000003"
+    save_checkpoint(tmp_path, trainer, keep=2)  # the next save clears what killed saves left
+    assert not list(tmp_path.glob(".*"))
+
+
+def test_a_save_killed_while_replacing_a_checkpoint_of_the_same_step_leaves_it_whole(tmp_path, monkeypatch):
+    """The run's last save may repeat its last periodic one: the folder of that step is replaced. A
+    kill while the old files are deleted must leave the new checkpoint in place, not neither."""
+    trainer = PolicyTrainer(_model(), 0, TrainerConfig(bf16=False))
+    trainer.train_step(_rows())
+    save_checkpoint(tmp_path, trainer, keep=1)
+    real_rmtree = shutil.rmtree
+
+    def killed_midway(path, *args, **kwargs):
+        done = [p for p in Path(path).rglob(STATE_FILE)]
+        if done:  # deletes one file of a finished checkpoint, then the process dies
+            done[0].unlink()
+            raise KeyboardInterrupt
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, trainer, keep=1, extra={"again": True})
+    monkeypatch.undo()
+    found = latest_checkpoint(tmp_path)
+    assert found is not None and found.name == "step-000001"
+    resumed = PolicyTrainer(_model(seed=9), 0, TrainerConfig(bf16=False))
+    assert load_checkpoint(found, resumed) == {"again": True}
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from reflow.config import RunConfig
+from reflow.folders import publish_dir, staging_dir
 from reflow.models.presets import cache_dir, resolve_model_path
 from reflow.recipes.run_state import RunState
 from reflow.recipes.warmstart import env_demo_kwargs, in_fresh_process, warmstart
@@ -56,15 +57,16 @@ def run_warmstart(config: RunConfig, log: RunLog) -> str:
     cached = json.loads(summary_file.read_text()) if ws.cache and summary_file.is_file() else None
     if cached is not None and cached.get("stopped_by") != "seconds":
         log.console.print(f"warm start: reusing {out}")
-        log.write("warmstart", {**cached, "cached": True})
+        log.write(
+            "warmstart", {**cached, "model": str(out), "cached": True}
+        )  # not the folder it was built in
         return str(out)
     if cached is not None:
         log.console.print(
             f"warm start: the cached one stopped at step {cached['sft_steps']} of {cached['sft_max_steps']}"
             " (time cap); training it again"
         )
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staging_dir(out)  # its own: two runs with one key may build it at once
     log.console.print(
         f"warm start: SFT on {ws.demos} scripted {config.env.id} episodes (≤ {ws.seconds:.0f}s)"
     )
@@ -90,8 +92,7 @@ def run_warmstart(config: RunConfig, log: RunLog) -> str:
         patience=ws.patience,
         dev_env_kwargs=config.env.kwargs,
     )
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    publish_dir(tmp, out)
     log.write("warmstart", {**summary, "model": str(out), "cached": False})
     return str(out)
 
@@ -158,9 +159,7 @@ def resumed_model(ckpt: Path, run_dir: Path) -> Path:
 def link_model(src: Path, dest: Path, skip: tuple[str, ...] = ()) -> Path:
     """The files of folder `src` (but `skip`) at `dest`, replacing it: hard links where the file system
     allows (no copy of the weights; they outlive `src`'s removal), else copies."""
-    tmp = dest.with_name(f".{dest.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = staging_dir(dest)
     for file in src.iterdir():
         if file.name in skip or not file.is_file():
             continue
@@ -168,6 +167,4 @@ def link_model(src: Path, dest: Path, skip: tuple[str, ...] = ()) -> Path:
             os.link(file, tmp / file.name)
         except OSError:  # another file system, or links not allowed
             shutil.copy2(file, tmp / file.name)
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.rename(dest)
-    return dest
+    return publish_dir(tmp, dest)

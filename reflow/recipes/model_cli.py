@@ -18,13 +18,13 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from reflow.config import RunConfig, load_config
 from reflow.errors import UsageError
+from reflow.folders import publish_dir, staging_dir
 from reflow.records import EpisodeRecord, write_records
 
 CHECKPOINTS = "checkpoints"
@@ -177,9 +177,7 @@ def export_model(source: str, out: str | Path, *, overwrite: bool = False, dtype
     model, tokenizer = load_model(path)
     if not getattr(tokenizer, "chat_template", None):
         raise UsageError(f"{path}: the tokenizer has no chat template, so a server could not prompt it")
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = staging_dir(out)
     model.to(getattr(torch, dtype)).save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     info: dict[str, Any] = {
@@ -191,12 +189,7 @@ def export_model(source: str, out: str | Path, *, overwrite: bool = False, dtype
         saved = json.loads(state.read_text())
         info.update(step=saved.get("step"), version=saved.get("version"))
     (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
-    if out.is_dir():
-        shutil.rmtree(out)
-    elif out.exists():
-        out.unlink()
-    tmp.rename(out)
-    return out
+    return publish_dir(tmp, out)
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from reflow.config import RunConfig
+from reflow.folders import publish_dir, staging_dir
 from reflow.train.settings import LoraSettings
 
 
@@ -81,25 +82,19 @@ def write_policy(
     from reflow.models.presets import resolve_model_path
 
     src = Path(resolve_model_path(model_path))
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = staging_dir(out)
     if lora is not None:
         from reflow.train.lora import save_adapters
 
         save_adapters(tmp, state_dict, lora, base=base_model_path(src))
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-        return out
+        return publish_dir(tmp, out)
     for f in src.iterdir():
         if f.is_file() and not _is_weights(f.name):  # config, generation config, tokenizer, template
             shutil.copy2(f, tmp / f.name)
     # Tied weights share storage, which safetensors refuses: each tensor gets its own contiguous copy.
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+    return publish_dir(tmp, out)
 
 
 async def load_policy(

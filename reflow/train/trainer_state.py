@@ -8,9 +8,9 @@ step and version, RNG states and the run's replay cursor.
 A checkpoint is a folder `step-000012/` holding an ordinary HF model folder (so `reflow rollout --model`
 and any HF engine load it), `optimizer.pt`, `rng.pt` and `state.json`. Under LoRA the model folder is an
 adapter folder instead (`reflow.models.adapters`: the adapters in peft's format, naming their base
-model), which `reflow.models.load_model` loads merged. It is written under a temporary
-name and renamed into place, so a run killed mid-save never leaves a checkpoint that looks complete;
-`latest_checkpoint` only sees finished ones. Older checkpoints beyond `keep` are removed.
+model), which `reflow.models.load_model` loads merged. It is written under a temporary name and
+renamed into place (`reflow.folders`), so a run killed mid-save never leaves a checkpoint that looks
+complete; `latest_checkpoint` only sees finished ones. Older checkpoints beyond `keep` are removed.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from reflow.folders import publish_dir, staging_dir
 from reflow.models.weights import load_state_dict
 from reflow.train.lora import save_adapters
 from reflow.train.trainer import PolicyTrainer
@@ -50,9 +51,7 @@ def save_checkpoint(
         return None
     root = Path(root)
     final = root / f"step-{trainer.step:06d}"
-    tmp = root / f".tmp-step-{trainer.step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = staging_dir(final)
     if trainer.lora is not None:  # the adapters, naming the base they apply to, and its config
         if not trainer.base_path:
             raise ValueError("a LoRA checkpoint names its base model's folder: load the model from one")
@@ -66,10 +65,11 @@ def save_checkpoint(
     torch.save(_rng_state(trainer), tmp / "rng.pt")
     state = {"step": trainer.step, "version": trainer.version, "extra": extra or {}}
     (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+    publish_dir(tmp, final)  # a save of a step already saved (the run's last) replaces it
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(".step-*"):  # saves a kill interrupted (rank 0 is the only writer here)
+        shutil.rmtree(stale, ignore_errors=True)
     return final
 
 
