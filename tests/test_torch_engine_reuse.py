@@ -114,8 +114,11 @@ async def test_weight_updates_drop_reusable_prefixes(tiny):
     ids = prompt(30, seed=14)
     try:
         first = await eng.generate(ids, greedy(10))
+        assert (await eng.health())["kv_capacity"] > 0
         new = {k: v * 1.1 for k, v in model.state_dict().items()}
         await eng.update_weights(state_dict=new)
+        # an idle engine's update hands the buffers back (a sync trainer's step runs beside it)
+        assert (await eng.health())["kv_capacity"] == 0
         turn2 = ids + first.output_ids + [5, 6]
         res = await eng.generate(turn2, greedy(10))
         assert (await eng.health())["prefix_hits"] == 0  # the parked keys/values were stale

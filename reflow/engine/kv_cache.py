@@ -114,6 +114,18 @@ class SlotKVCache:
                 best, best_len = row, n
         return best, best_len
 
+    def free(self) -> None:
+        """Give the buffers' memory back (no live row; parked ones are dropped): the next request
+        allocates them anew. They grow to the run's peak (gigabytes with dozens of long rows) and would
+        otherwise stay that size while the engine waits, e.g. through a sync trainer's step."""
+        if self.live:
+            raise RuntimeError(f"{len(self.live)} live rows: the cache cannot be freed under them")
+        self.parked.clear()
+        self.keys, self.values, self._shape = [], [], None
+        self.capacity = self.end = self.n_rows = 0
+        self.start = [0] * self.max_rows
+        self.mask = torch.zeros(self.max_rows, 0, dtype=torch.bool, device=self.device)
+
     def reset(self) -> None:
         """Drop every sequence (after a failed step); buffers are kept."""
         self.live.clear()

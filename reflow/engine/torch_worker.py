@@ -174,6 +174,8 @@ class DecodeLoop:
                 try:
                     copy_weights(self.model, state_dict)
                     self._cache.drop_parked()  # their keys/values belong to the old weights
+                    if not self._running:  # nothing left in the cache: its memory goes back
+                        self._cache.free()
                     self.version = self.version + 1 if version is None else int(version)
                     resolve(loop, done, self.version)
                 except Exception as e:
