@@ -114,11 +114,8 @@ async def test_weight_updates_drop_reusable_prefixes(tiny):
     ids = prompt(30, seed=14)
     try:
         first = await eng.generate(ids, greedy(10))
-        assert (await eng.health())["kv_capacity"] > 0
         new = {k: v * 1.1 for k, v in model.state_dict().items()}
         await eng.update_weights(state_dict=new)
-        # an idle engine's update hands the buffers back (a sync trainer's step runs beside it)
-        assert (await eng.health())["kv_capacity"] == 0
         turn2 = ids + first.output_ids + [5, 6]
         res = await eng.generate(turn2, greedy(10))
         assert (await eng.health())["prefix_hits"] == 0  # the parked keys/values were stale
@@ -179,3 +176,27 @@ async def test_randomized_mixed_workload_keeps_exact_logprobs(tiny, seed):
     for ids, res, temperature in results:
         ref = reference_logprobs(model, ids, res.output_ids, temperature)
         assert (ref - torch.tensor(res.logprobs)).abs().max().item() <= 1e-4
+
+
+async def test_an_idle_engine_hands_its_kv_memory_back(tiny):
+    """`release_cache` frees the buffers when nothing runs (a sync trainer's step comes next) and is
+    a no-op under a running request, which finishes exactly as it would have."""
+    path, _, tokenizer = tiny
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    eng = TorchEngine(model, tokenizer)
+    ids = prompt(30, seed=15)
+    try:
+        first = await eng.generate(ids, greedy(20))
+        assert (await eng.health())["kv_capacity"] > 0
+        assert await eng.release_cache() is True
+        assert (await eng.health())["kv_capacity"] == 0
+        task = asyncio.create_task(eng.generate(ids, greedy(400)))
+        while (await eng.health())["generated_tokens"] < len(first.output_ids) + 5:
+            await asyncio.sleep(0.002)
+        assert await eng.release_cache() is False  # under a running request: kept
+        again = await task
+        assert len(again.output_ids) > 5 and again.output_ids == await solo(tiny, ids, greedy(400))
+        health = await eng.health()
+        assert health["kv_capacity"] > 0 and health["errors"] == 0
+    finally:
+        await eng.close()

@@ -184,6 +184,18 @@ class TorchEngine:
         """Finish a request now with finish_reason "abort" and the tokens it has; unknown ids are ignored."""
         self._decoder.post("abort", request_id)
 
+    async def release_cache(self) -> bool:
+        """Hand the KV buffers' memory back if no request is running or waiting (else nothing; returns
+        whether it did): they grow to the largest batch served (gigabytes with dozens of long
+        sequences) and would keep that size while the engine waits, e.g. through a sync trainer's step
+        on the same machine."""
+        if self._decoder.closed:
+            return False
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[bool] = loop.create_future()
+        self._decoder.post("free", (done, loop))
+        return await done
+
     async def update_weights(
         self,
         state_dict: dict[str, Any] | None = None,

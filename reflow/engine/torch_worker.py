@@ -104,7 +104,8 @@ class DecodeLoop:
         }
 
     def post(self, kind: str, item: Any) -> None:
-        """A control message for the loop ("generate", "abort", "update", "close"), applied in order."""
+        """A control message for the loop ("generate", "abort", "update", "free", "close"), applied in
+        order."""
         with self._wake:
             self._inbox.append((kind, item))
             self._wake.notify()
@@ -133,6 +134,8 @@ class DecodeLoop:
                     self._fail(item, err)
                 elif kind == "update":
                     resolve(item[3], item[2], err)
+                elif kind == "free":
+                    resolve(item[1], item[0], False)
 
     def _loop(self) -> None:
         with torch.no_grad():
@@ -174,12 +177,16 @@ class DecodeLoop:
                 try:
                     copy_weights(self.model, state_dict)
                     self._cache.drop_parked()  # their keys/values belong to the old weights
-                    if not self._running:  # nothing left in the cache: its memory goes back
-                        self._cache.free()
                     self.version = self.version + 1 if version is None else int(version)
                     resolve(loop, done, self.version)
                 except Exception as e:
                     resolve(loop, done, e)
+            elif kind == "free":  # only with nothing to run: posted after a generate, it waits its turn
+                done, loop = item
+                freed = not self._running and not self._waiting
+                if freed:
+                    self._cache.free()
+                resolve(loop, done, freed)
             elif kind == "close":
                 return False
         return True

@@ -9,8 +9,10 @@ takes its share of the rows and does one update (FSDP2 across ranks).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,6 +113,7 @@ class RolloutWorker:
 
         torch.set_num_threads(_threads(config))
         self.config, self.replay, self.index, self.model_path = config, replay, index, model_path
+        self._calls_in_flight = 0
         self._load_plugins()
         self.engine, self.tokenizer = build_engine(config, model_path, index)
         r = config.rollout
@@ -162,7 +165,22 @@ class RolloutWorker:
             return report_group(records, time.monotonic() - start)
 
         ids = group_ids or [None] * len(seeds)
-        return list(await asyncio.gather(*(one(s, g) for s, g in zip(seeds, ids, strict=True))))
+        async with self._episodes():
+            return list(await asyncio.gather(*(one(s, g) for s, g in zip(seeds, ids, strict=True))))
+
+    @contextlib.asynccontextmanager
+    async def _episodes(self) -> AsyncIterator[None]:
+        """Around each call that runs episodes: when the last one in flight ends, the engine hands its
+        KV memory back (finished episodes' prefixes serve no later request; in sync mode the trainer's
+        step runs next, on the same machine's memory)."""
+        self._calls_in_flight += 1
+        try:
+            yield
+        finally:
+            self._calls_in_flight -= 1
+            release = getattr(self.engine, "release_cache", None)  # TorchEngine; SGLang's pool is fixed
+            if self._calls_in_flight == 0 and release is not None:
+                await release()
 
     # -- the tail scheduler's calls (`reflow.runtime.worker_tail`) ------------------------------------------
 
@@ -209,15 +227,16 @@ class RolloutWorker:
         ev = self.config.eval
         sampling = _sampling(self.config, temperature, ev.max_new_tokens, seed=seed)
         runner = EpisodeRunner(self.engine, self.tokenizer, RolloutConfig(sampling=sampling))
-        return await collect(
-            runner,
-            self.config.env.id,
-            episodes * samples,
-            group_size=samples,
-            seed=seed,
-            concurrency=self.config.rollout.max_batch_size,
-            env_kwargs=self.config.env.kwargs if ev.env_kwargs is None else ev.env_kwargs,
-        )
+        async with self._episodes():
+            return await collect(
+                runner,
+                self.config.env.id,
+                episodes * samples,
+                group_size=samples,
+                seed=seed,
+                concurrency=self.config.rollout.max_batch_size,
+                env_kwargs=self.config.env.kwargs if ev.env_kwargs is None else ev.env_kwargs,
+            )
 
     async def headroom(self, episodes: int, seed: int, k: int) -> dict[str, Any]:
         """On `episodes` held-out tasks: one greedy episode and `k` at the rollout's temperature each;
