@@ -57,9 +57,8 @@ def run_warmstart(config: RunConfig, log: RunLog) -> str:
     cached = json.loads(summary_file.read_text()) if ws.cache and summary_file.is_file() else None
     if cached is not None and cached.get("stopped_by") != "seconds":
         log.console.print(f"warm start: reusing {out}")
-        log.write(
-            "warmstart", {**cached, "model": str(out), "cached": True}
-        )  # not the folder it was built in
+        # the cached summary names the staging folder it was built in: the model is `out`
+        log.write("warmstart", {**cached, "model": str(out), "cached": True})
         return str(out)
     if cached is not None:
         log.console.print(
