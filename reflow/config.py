@@ -380,9 +380,9 @@ class _PolicySection(_DataclassSection):
 
     enabled: bool | None = Field(
         None,
-        description="None: on in mode reflow, off in sync and async; false switches it off for an ablation. "
-        "`agent-train` applies it in the decoupled loop (`reflow.runtime`); the cluster "
-        "simulator drives the same policy object",
+        description="None: on in mode reflow, off in sync and async; true switches it on (the elastic pool "
+        "in async; the tail in async and sync), false off for an ablation. `agent-train` applies it in its "
+        "loops (`reflow.runtime`); the cluster simulator drives the same policy object",
     )
 
     def policy_config(self) -> Any:
@@ -403,7 +403,9 @@ class ElasticSection(_fields_of(ElasticConfig, base=_PolicySection)):
 
 
 class TailSection(_fields_of(TailConfig, base=_PolicySection)):
-    """The long-tail scheduler's policy (`reflow.policy.tail`)."""
+    """The long-tail scheduler's policy (`reflow.policy.tail`). In sync mode (`reflow.recipes.sync_tail`):
+    over-provisioning and partial rollouts paused through the train step; no migration or
+    concurrency limits there yet."""
 
 
 class TasksSection(_fields_of(LearnabilityConfig)):
@@ -506,10 +508,20 @@ class RunConfig(_Section):
         if self.tasks.learnability and self.mode != "sync":
             # the decoupled loops draw one task seed per group: a share of one seed is no revisit
             raise ValueError("tasks.learnability applies to mode sync only (rounds of several task seeds)")
-        for key in ("elastic", "tail"):
-            if self.mode == "sync" and getattr(self, key).enabled:
-                # sync generates and trains in turn on every slot: no role to move, no tail to cut
-                raise ValueError(f"{key}.enabled applies to the decoupled modes (async, reflow), not sync")
+        if self.mode == "sync" and self.tail.enabled:
+            # its rounds draw one task seed per group; and a runner deadline would run on through the
+            # train step a carried episode waits out (the env's own deadline is moved by the pause)
+            if self.tasks.learnability:
+                raise ValueError("tasks.learnability does not combine with tail.enabled in sync mode")
+            if self.rollout.episode_deadline_s is not None:
+                raise ValueError(
+                    "rollout.episode_deadline_s does not combine with tail.enabled in sync mode (a "
+                    "carried episode waits out the train step); the env's deadline_s does"
+                )
+        if self.mode == "sync" and self.elastic.enabled:
+            # sync generates and trains in turn on every slot: no role to move (its tail handling,
+            # `tail.enabled`, is `reflow.recipes.sync_tail`)
+            raise ValueError("elastic.enabled applies to the decoupled modes (async, reflow), not sync")
         return self
 
     @property

@@ -15,6 +15,14 @@ def next_token(context: list[int]) -> int:
     return (sum(context) * 31 + len(context)) % 97 + 3
 
 
+def expected_ids(n: int, prompt: list[int]) -> list[int]:
+    """The `n` ids `next_token` gives after `prompt`: what any engine here generates, in one call or several."""
+    out: list[int] = []
+    for _ in range(n):
+        out.append(next_token([*prompt, *out]))
+    return out
+
+
 def logprob_of(token: int) -> float:
     return -0.1 * (token % 7) - 0.01
 

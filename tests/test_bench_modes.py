@@ -129,7 +129,12 @@ def test_sync_and_async_rows_run_their_mode_plain_even_where_the_config_switches
     for name, mode, extra in variants(True):
         config = load_config(None, [*on, f"mode={mode}", *extra])  # sync refuses elastic.enabled=true
         parts = (config.elastic.active(mode), config.tail.active(mode))
-        expected = {"reflow": (True, True), "reflow-static": (False, False), "reflow-no-tail": (True, False)}
+        expected = {
+            "reflow": (True, True),
+            "sync-tail": (False, True),
+            "reflow-static": (False, False),
+            "reflow-no-tail": (True, False),
+        }
         assert parts == expected.get(name, (False, False)), name
 
 
@@ -137,6 +142,7 @@ def test_ablation_rows_run_reflow_with_parts_off_and_show_role_changes_and_tail_
     assert [name for name, _, _ in variants(False)] == ["sync", "async", "reflow"]
     rows = variants(True)
     assert [(name, mode) for name, mode, _ in rows[3:]] == [
+        ("sync-tail", "sync"),
         ("reflow-static", "reflow"),
         ("reflow-no-tail", "reflow"),
     ]

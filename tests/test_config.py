@@ -107,7 +107,14 @@ def test_an_env_id_of_a_namespace_is_accepted():
             "m2_tau > 0 needs the exact prox log-probs",
         ),
         (["env.id=reflow/Calc-v0", "mode=sync", "elastic.enabled=true"], "elastic.enabled applies to the"),
-        (["env.id=reflow/Calc-v0", "mode=sync", "tail.enabled=true"], "tail.enabled applies to the"),
+        (
+            ["env.id=reflow/Calc-v0", "mode=sync", "tail.enabled=true", "tasks.learnability=true"],
+            "tasks.learnability does not combine with tail.enabled",
+        ),
+        (
+            ["env.id=reflow/Calc-v0", "mode=sync", "tail.enabled=true", "rollout.episode_deadline_s=60"],
+            "rollout.episode_deadline_s does not combine with tail.enabled",
+        ),
         (["env.id=reflow/Calc-v0", "model.lora.r=0"], "r must be >= 1"),
         (["env.id=reflow/Calc-v0", "model.lora.dropout=1"], "dropout must be in [0, 1)"),
         (["env.id=reflow/Calc-v0", "model.lora.target_modules=[]"], "target_modules must be a non-empty"),

@@ -225,7 +225,7 @@ def _fresh_group_step(config, model_path, replay, state, group_ids, step):
     """A freshly formed 2-rank group loads `state` and trains one step: (metrics, full weights)."""
     import ray
 
-    from reflow.runtime.workers import TrainerRank
+    from reflow.runtime.trainer_rank import TrainerRank
 
     ranks = [
         ray.remote(TrainerRank).options(num_cpus=1).remote(config, model_path, replay, r, 2) for r in (0, 1)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from engine_helpers import build_tiny_engine_model
 from fake_envs import EchoEnv
-from migration_helpers import CountingEngine, FakeHandle, logprob_of, next_token
+from migration_helpers import CountingEngine, FakeHandle, expected_ids, logprob_of
 
 import reflow
 from reflow.engine import SamplingParams
@@ -23,13 +23,6 @@ from reflow.rollout.episode import EpisodeRunner, RolloutConfig
 from reflow.rollout.routing import Routes, first_stop
 
 PROMPT = [5, 6, 7, 8]
-
-
-def _expected(n: int, prompt: list[int] = PROMPT) -> list[int]:
-    out: list[int] = []
-    for _ in range(n):
-        out.append(next_token([*prompt, *out]))
-    return out
 
 
 def _routes(home: CountingEngine) -> Routes:
@@ -51,12 +44,12 @@ async def test_a_request_migrated_mid_generation_returns_every_token_and_counts_
 
     home.on_token = migrate_at_3
     out = await route.generate(PROMPT, SamplingParams(max_new_tokens=10), "req")
-    assert out.output_ids == _expected(10) and out.finish_reason == "length"
+    assert out.output_ids == expected_ids(10, PROMPT) and out.finish_reason == "length"
     assert out.logprobs == [logprob_of(t) for t in out.output_ids]
     # 3 tokens from the source (version 3), 7 from the target (version 4)
     assert out.meta["token_versions"] == [3] * 3 + [4] * 7 and out.weight_version == 4
     # the target got the exact prefix: prompt + the 3 tokens; first one timed token, then the rest
-    assert target.prompts == [PROMPT + _expected(3), PROMPT + _expected(4)]
+    assert target.prompts == [PROMPT + expected_ids(3, PROMPT), PROMPT + expected_ids(4, PROMPT)]
     assert out.meta["reprefill_tokens"] == len(PROMPT) + 3
     (report,) = routes.take_measured()
     assert report["outcome"] == "ok" and report["in_flight"] is True
@@ -74,7 +67,7 @@ async def test_between_turns_the_next_call_goes_to_the_target_and_can_come_back_
     assert (await routes.migrate("ep", FakeHandle(target), "w1"))["in_flight"] is False
     context = PROMPT + first.output_ids + [9, 9]  # the env's observation delta
     second = await route.generate(context, SamplingParams(max_new_tokens=5), "t1")
-    assert second.output_ids == _expected(5, context) and second.weight_version == 1
+    assert second.output_ids == expected_ids(5, context) and second.weight_version == 1
     assert "token_versions" not in second.meta  # all from the target: one version
     # what the source held (the last context: prompt + completion) is what the target computes again
     assert second.meta["reprefill_tokens"] == len(PROMPT) + 4
@@ -92,7 +85,7 @@ async def test_a_failing_target_sends_the_episode_home_with_nothing_lost():
     route = routes.open("ep", "g")
     await routes.migrate("ep", FakeHandle(CountingEngine(fail=True)), "w1")
     out = await route.generate(PROMPT, SamplingParams(max_new_tokens=6), "req")
-    assert out.output_ids == _expected(6) and out.finish_reason == "length"
+    assert out.output_ids == expected_ids(6, PROMPT) and out.finish_reason == "length"
     failed, back = routes.take_measured()
     assert failed["outcome"].startswith("fallback: EngineError") and failed["target"] == "w1"
     assert (back["source"], back["target"], back["outcome"]) == ("w1", "w0", "ok")
@@ -112,7 +105,7 @@ async def test_a_stop_string_across_the_resubmission_cuts_the_output_as_the_engi
     home, target = CountingEngine(), CountingEngine()
     routes = Routes(LimitedEngine(home, 8), "w0", decode=lambda xs: " ".join(map(str, xs)) + " ")
     route = routes.open("ep", "g")
-    want = _expected(8)
+    want = expected_ids(8, PROMPT)
     stop = f"{want[2]} {want[3]} "  # straddles tokens 3 and 4: the split comes after token 3
 
     async def migrate_at_3(n: int, rid: str) -> None:

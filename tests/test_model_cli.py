@@ -119,6 +119,9 @@ def test_eval_plays_the_configs_env_kwargs_on_the_held_out_tasks(checkpoint, tmp
     room = summary["rl_headroom"]  # the config's pass_at: 2 sampled episodes on each greedy task
     assert room["tasks"] == 3 and room["samples_per_task"] == 2
     assert "greedy success" in out.stdout and "pass@2" in out.stdout
+    # a long evaluation says how far it is: here a line once all 3 tasks are done, for each half
+    assert "greedy: 3/3 tasks (100%)" in out.stdout
+    assert "2 samples per task at temperature 1: 3/3 tasks (100%)" in out.stdout
     rows = [json.loads(line) for line in episodes.read_text().splitlines()]
     seeds = [EVAL_SEED_BASE + i for i in range(3)]
     assert [r["seed"] for r in rows[:3]] == seeds
@@ -128,6 +131,23 @@ def test_eval_plays_the_configs_env_kwargs_on_the_held_out_tasks(checkpoint, tmp
     # an override changes what is played, as in `agent-train`
     _, greedy_only = run("eval", "--config", str(config), "--model", str(checkpoint), "eval.pass_at=0")
     assert "rl_headroom" not in greedy_only and greedy_only["success_rate"] == summary["success_rate"]
+
+
+def test_progress_lines_come_at_every_tenth_of_the_tasks_and_once_at_the_end():
+    from reflow.rollout.collect import ProgressLines
+
+    lines: list[str] = []
+    progress = ProgressLines(lines.append, "greedy")
+    for done in range(1, 201):
+        progress(done, 200)
+    assert [line.split(",")[0] for line in lines] == [
+        f"greedy: {20 * k}/200 tasks ({10 * k}%)" for k in range(1, 11)
+    ]
+    few: list[str] = []
+    progress = ProgressLines(few.append, "greedy")
+    for done in range(1, 4):  # fewer tasks than tenths: a line per task
+        progress(done, 3)
+    assert [line.split(",")[0] for line in few] == [f"greedy: {k}/3 tasks ({k / 3:.0%})" for k in (1, 2, 3)]
 
 
 @pytest.mark.slow

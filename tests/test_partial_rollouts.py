@@ -74,11 +74,23 @@ async def test_weight_update_mid_episode_is_recorded_per_turn_and_used_by_the_lo
 
     # the decoupled loss weighs each token by pi_prox / pi_behav with its own behaviour log-prob: the
     # version-1 tokens have weight 1, the version-0 tokens do not
+    sync_model = copy.deepcopy(trained)  # the step below changes `trained`
     trainer = PolicyTrainer(trained, tok.pad_token_id, TrainerConfig(behaviour_is_prox=False, bf16=False))
     metrics = trainer.train_step([TrainRow(seg, 1.0)])
     log_w = (now[0] - recorded)[v0 | v1]
     assert metrics["w_mean"] == pytest.approx(float(torch.exp(log_w).clamp(max=5.0).mean()), rel=1e-3)
     assert metrics["w_mean"] != pytest.approx(1.0, abs=1e-3)
+
+    # sync mode, the trainer at version 1 (a partial rollout carried over its step): the version-1
+    # tokens take prox as their behaviour policy (weight exactly 1), the version-0 ones keep the engine's
+    sync = PolicyTrainer(sync_model, tok.pad_token_id, TrainerConfig(behaviour_is_prox=True, bf16=False))
+    sync.version = 1
+    metrics = sync.train_step([TrainRow(seg, 1.0)])
+    sampled = (v0 | v1)[torch.tensor(seg.loss_mask, dtype=torch.bool)]
+    old = v0[torch.tensor(seg.loss_mask, dtype=torch.bool)]
+    w = torch.where(old, torch.exp(now[0] - recorded)[torch.tensor(seg.loss_mask, dtype=torch.bool)], 1.0)
+    assert sampled.all() and 0 < int(old.sum()) < len(old)
+    assert metrics["w_mean"] == pytest.approx(float(w.clamp(max=5.0).mean()), rel=1e-3)
 
 
 async def test_default_trainer_precision_matches_the_engine_on_cpu():

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
-from run_helpers import PARITY_ENV, SMALL_ROLLOUT, TINY_MODEL
+from run_helpers import PARITY_ENV, QUICK_RUN, SMALL_ROLLOUT, TINY_MODEL
 
 from reflow.policy.tail import Quantiles, TailConfig, TailPolicy
 from reflow.policy.tail_actions import CarryOver, Migrate, OverProvision
@@ -105,12 +105,7 @@ BASE = [
     *PARITY_ENV,
     *TINY_MODEL,
     *SMALL_ROLLOUT,
-    "train.lr=1e-2",
-    "train.checkpoint_every=100",
-    "eval.every=0",
-    "eval.episodes=4",
-    "eval.max_new_tokens=8",
-    "resources.threads_per_slot=1",
+    *QUICK_RUN,
 ]
 
 

@@ -245,3 +245,26 @@ def test_a_resume_takes_the_saved_slot_layout_only_where_the_elastic_pool_may_ho
     state = {"step": 4, "version": 4, "extra": {"run_state": {"scheduler": {"roles": saved}}}}
     (ckpt / STATE_FILE).write_text(json.dumps(state))
     assert resumed_config(config, ckpt).resources.slots == (slots if kept else saved)
+
+
+def test_a_sync_resume_takes_up_the_groups_one_version_old_only_with_tail_handling(store, monkeypatch):
+    """With partial rollouts carried over a step (sync mode's tail handling), groups finished after
+    the checkpoint hold tokens one version older than its weights, and the groups done beyond a step's
+    B are that old too: a resume trains them first. Without it they stay in the store untrained."""
+    from types import SimpleNamespace
+
+    import reflow.recipes.checkpoints as checkpoints
+    from reflow.recipes.run_state import RunState
+
+    for gid, version in [("old", 2), ("carried", 3), ("fresh", 4)]:
+        add(store, gid, version=version)
+    remote = SimpleNamespace(
+        fresh=SimpleNamespace(remote=store.fresh), groups=SimpleNamespace(remote=store.groups)
+    )
+    monkeypatch.setattr(checkpoints.ray, "get", lambda value: value)  # the store is here, not an actor
+    cluster, at = SimpleNamespace(replay=remote), RunState(step=4, version=4)
+    assert [r.group_id for r in checkpoints.leftover_groups(cluster, at)] == ["fresh"]
+    assert [r.group_id for r in checkpoints.leftover_groups(cluster, at, carried=True)] == [
+        "carried",
+        "fresh",
+    ]

@@ -91,22 +91,3 @@ async def test_held_out_evaluation_is_greedy_by_default_or_a_mean_over_sampled_e
         assert summary["episodes"] == len(records) == 3 * samples
         assert sorted({r.seed for r in records}) == [1_000_000, 1_000_001, 1_000_002]
         assert summary["success_rate"] == sum(r.success for r in records) / len(records)
-
-
-async def test_a_worker_with_no_episode_left_hands_its_engine_kv_memory_back(tmp_path):
-    """Once the last call running episodes ends, the engine's KV buffers are freed: in sync mode the
-    trainer's step comes next on the same machine's memory (the buffers had kept their peak size,
-    gigabytes for a real model, and ran a 24 GB machine out of memory)."""
-    from reflow.config import load_config
-    from reflow.models import build_tiny
-    from reflow.runtime.workers import RolloutWorker
-
-    model_dir = str(build_tiny(tmp_path / "m", num_hidden_layers=1, hidden_size=32, intermediate_size=64))
-    config = load_config(None, ["env.id=reflow/Calc-v0", f"out_dir={tmp_path}", "eval.max_new_tokens=6"])
-    worker = RolloutWorker(config, model_dir, replay=None)
-    try:
-        records = await worker.held_out(3, 1_000_000, 1.0, 2)
-        assert sum(len(r.segments[0].token_ids) for r in records) > 0
-        assert (await worker.engine.health())["kv_capacity"] == 0
-    finally:
-        await worker.close()

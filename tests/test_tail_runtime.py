@@ -12,7 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from run_helpers import SMALL_ROLLOUT, TINY_MODEL
+from run_helpers import LONG_TAIL_RUN, SMALL_ROLLOUT, TINY_MODEL
 
 from reflow.policy.tail import TailPolicy
 from reflow.policy.tail_actions import FreeSlot, Migrate, OverProvision, SetConcurrency
@@ -172,16 +172,7 @@ def test_reflow_run_migrates_episodes_and_loses_no_group_or_episode(tmp_path, mo
     overrides = [
         *TINY_MODEL,
         *SMALL_ROLLOUT,
-        "train.lr=1e-2",
-        "train.checkpoint_every=100",
-        "eval.every=0",
-        "eval.episodes=4",
-        "eval.max_new_tokens=8",
-        "resources.threads_per_slot=1",
-        "env.plugins=[tail_envs:register_tail_envs]",
-        "env.id=test/LongParity-v0",
-        "env.kwargs={step_s: 0.3}",
-        "rollout.max_new_tokens=12",
+        *LONG_TAIL_RUN,
         f"out_dir={tmp_path}",
         "run_name=tail",
         "mode=reflow",

@@ -191,7 +191,8 @@ def ray_cluster(tmp_path, monkeypatch):
     from reflow.config import load_config
     from reflow.models import build_tiny
     from reflow.runtime.cluster import Cluster
-    from reflow.runtime.workers import RolloutWorker, TrainerRank
+    from reflow.runtime.trainer_rank import TrainerRank
+    from reflow.runtime.workers import RolloutWorker
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     model_dir = str(build_tiny(tmp_path / "m", num_hidden_layers=1, hidden_size=32, intermediate_size=64))

@@ -189,7 +189,7 @@ class TorchEngine:
         whether it did): they grow to the largest batch served (gigabytes with dozens of long
         sequences) and would keep that size while the engine waits, e.g. through a sync trainer's step
         on the same machine."""
-        if self._decoder.closed:
+        if self._decoder.closed or not self._thread.is_alive():
             return False
         loop = asyncio.get_running_loop()
         done: asyncio.Future[bool] = loop.create_future()

@@ -184,8 +184,14 @@ class DecodeLoop:
             elif kind == "free":  # only with nothing to run: posted after a generate, it waits its turn
                 done, loop = item
                 freed = not self._running and not self._waiting
-                if freed:
-                    self._cache.free()
+                try:
+                    if freed:
+                        self._cache.free()
+                        if self.device.type == "cuda":  # else the rollout process's allocator keeps it
+                            torch.cuda.empty_cache()
+                except Exception:  # a cache that cannot be freed stays as it is; the engine runs on
+                    log.exception("TorchEngine could not free its KV cache")
+                    freed = False
                 resolve(loop, done, freed)
             elif kind == "close":
                 return False

@@ -41,6 +41,7 @@ from reflow.recipes.run_state import (
     took_step,
 )
 from reflow.recipes.sinks import log_sinks
+from reflow.recipes.sync_tail import SyncTail
 from reflow.recipes.weight_sync import sync_weights
 from reflow.runtime.cluster import Cluster, start_ray
 from reflow.runtime.workers import GroupReport
@@ -89,7 +90,9 @@ def _train(config: RunConfig, log: RunLog, *, resume: bool, console: Console) ->
             evaluate(cluster, config, log, state, clock)
             measure_headroom(cluster, config, log, state, "start")
         if config.mode == "sync":
-            sync_loop(cluster, config, log, state, clock, leftover_groups(cluster, state) if resume else [])
+            carried = config.tail.active("sync")
+            pending = leftover_groups(cluster, state, carried) if resume else []
+            sync_loop(cluster, config, log, state, clock, pending)
         else:
             from reflow.recipes.decoupled import decoupled_loop
 
@@ -122,13 +125,17 @@ def sync_loop(
     A round with no group with spread (after every resampling round) trains nothing: no step is
     taken, weights and version stay, and it counts as `steps_no_signal` (towards `train.steps`, so a
     policy that gets no signal any more cannot loop forever). No round starts that the time budget
-    cannot fit, judged by the mean round so far."""
+    cannot fit, judged by the mean round so far. With `tail.enabled`, a round over-provisions and
+    its unfinished groups carry over, paused (`reflow.recipes.sync_tail`)."""
+    tail = SyncTail(cluster, config, pending) if config.tail.active("sync") else None
     while steps_left(state, config.train.steps):
         rounds = state.step + state.steps_no_signal
         if out_of_time(config.train.seconds, clock.now(), state.wall_s / rounds if rounds else 0.0):
             break
         t0 = time.monotonic()
-        groups, reports = collect_groups(cluster, config, state, pending)
+        groups, reports = (
+            tail.collect(state, log) if tail else collect_groups(cluster, config, state, pending)
+        )
         t1 = time.monotonic()
         state.rollout_busy_s += (t1 - t0) * len(cluster.rollout)
         # the zero-spread groups passed over are retired (as in the other modes), trained or not
@@ -164,10 +171,11 @@ def sync_loop(
         t3 = time.monotonic()
         clock.tick()
         times = {"rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2}
-        log.step(
-            step_record(state, len(cluster.rollout), reports, len(groups), metrics, [0] * len(groups), times)
-        )
+        staleness = [state.version - 1 - g.policy_version for g in groups]  # 0 bar carried-over groups
+        log.step(step_record(state, len(cluster.rollout), reports, len(groups), metrics, staleness, times))
         after_step(cluster, config, log, state, clock)
+    if tail is not None:
+        tail.close(state, log)
 
 
 def collect_groups(

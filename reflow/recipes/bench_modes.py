@@ -5,10 +5,10 @@ seeds; a Markdown table and PNG plots of what each mode buys.
     reflow bench modes --config configs/calc-short.yaml KEY=VALUE ... \\
         --rows reflow-k3=replay.max_reuse=3 async-eta2=mode=async,replay.eta=2
 
-Rows: sync, async and reflow always; `--ablations` adds mode reflow with parts switched off
-(`ABLATIONS`): `reflow-static` (the dual replay cycle only: static slots, no tail scheduler) and
-`reflow-no-tail` (the elastic pool on, the tail scheduler off), so each part shows its own share of
-the gain. `--rows` adds rows of your own, each `NAME=KEY=VALUE[,KEY=VALUE...]`: a name (letters,
+Rows: sync, async and reflow always; `--ablations` adds one part switched on or off (`ABLATIONS`):
+`sync-tail` (sync with the tail scheduler: over-provisioning and partial rollouts), `reflow-static`
+(the dual replay cycle only: static slots, no tail scheduler) and `reflow-no-tail` (the elastic pool
+on, the tail scheduler off), so each part shows its own share of the gain. `--rows` adds rows of your own, each `NAME=KEY=VALUE[,KEY=VALUE...]`: a name (letters,
 digits, `.`, `_`, `-`), then config overrides separated by commas (a comma inside a value, as in
 `resources.slots=[rollout,train]`, stays in it: a new override starts only where `KEY=` follows).
 The row's mode is its `mode=` override, reflow when it has none; a sync or async row starts from the
@@ -53,16 +53,17 @@ from reflow.errors import UsageError
 from reflow.recipes.bench_table import plot, start_noise, table
 
 MODES = ("sync", "async", "reflow")
-ABLATIONS: dict[str, list[str]] = {
-    "reflow-static": ["elastic.enabled=false", "tail.enabled=false"],
-    "reflow-no-tail": ["tail.enabled=false"],
-}
-"""Rows of mode reflow with parts switched off: row name -> config overrides."""
-ROWS = (*MODES, *ABLATIONS)
-"""Every built-in row, in the table's order."""
 PLAIN = ["elastic.enabled=null", "tail.enabled=null"]
 """Overrides of the sync and async rows (and the sync pilot): the mode as it is, the elastic pool and
 tail scheduler at their defaults (off outside reflow), whatever the config file switches on."""
+ABLATIONS: dict[str, tuple[str, list[str]]] = {
+    "sync-tail": ("sync", ["elastic.enabled=null", "tail.enabled=true"]),
+    "reflow-static": ("reflow", ["elastic.enabled=false", "tail.enabled=false"]),
+    "reflow-no-tail": ("reflow", ["tail.enabled=false"]),
+}
+"""Rows with one part switched on or off: row name -> (mode, config overrides)."""
+ROWS = (*MODES, *ABLATIONS)
+"""Every built-in row, in the table's order."""
 FINAL_TASKS = 300
 """Held-out tasks of the final evaluation at least (`eval.end_episodes`)."""
 PILOT = "pilot"
@@ -76,7 +77,7 @@ def variants(
     """(row name, mode, overrides) of each run per seed: the built-in rows, then `rows` (`parse_rows`)."""
     out = [(mode, mode, [] if mode == "reflow" else PLAIN) for mode in MODES]
     if ablations:
-        out += [(name, "reflow", extra) for name, extra in ABLATIONS.items()]
+        out += [(name, mode, extra) for name, (mode, extra) in ABLATIONS.items()]
     return out + list(rows or [])
 
 
@@ -277,7 +278,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--ablations",
         action="store_true",
-        help="also run reflow-static (elastic pool and tail scheduler off) and reflow-no-tail",
+        help="also run sync-tail (sync with the tail scheduler), reflow-static (elastic pool and tail "
+        "scheduler off) and reflow-no-tail",
     )
     p.add_argument(
         "--rows",

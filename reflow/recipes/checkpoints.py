@@ -66,14 +66,16 @@ def rewind_replay(cluster: Cluster, state: RunState) -> int:
     return undone
 
 
-def leftover_groups(cluster: Cluster, state: RunState) -> list[GroupReport]:
+def leftover_groups(cluster: Cluster, state: RunState, carried: bool = False) -> list[GroupReport]:
     """Fresh groups generated with the current weights (a resume: stored after the checkpoint, or
     consumed by steps it never saw), in arrival order, zero-spread ones included (the step that
     trains the others retires them): sync mode trains on those before generating more. Fresh groups
     of newer versions were made by weights lost in the crash and are quarantined (`start_lineage`);
     those of older versions are spares of an older step: sync trains only on groups of the current
-    weights, so they stay in the store untrained."""
-    ids = [g.group_id for g in ray.get(cluster.replay.fresh.remote()) if g.policy_version == state.version]
+    weights, so they stay in the store untrained. `carried` (sync mode's tail handling): groups one
+    version older too, partial rollouts carried over the last step and groups done beyond its B."""
+    oldest = state.version - 1 if carried else state.version
+    ids = [g.group_id for g in ray.get(cluster.replay.fresh.remote()) if g.policy_version >= oldest]
     return [report_group(g.episodes, 0.0) for g in ray.get(cluster.replay.groups.remote(ids))]
 
 

@@ -63,9 +63,13 @@ async def play_held_out(
 ) -> tuple[list[EpisodeRecord], list[EpisodeRecord], float]:
     """Greedy episodes on `episodes` held-out tasks, then `pass_at` sampled ones on each (none when 0),
     on one in-process rollout worker; and the greedy half's seconds."""
+    from reflow.console import console
     from reflow.models.adapters import is_adapter_folder
-    from reflow.rollout.collect import EVAL_SEED_BASE
+    from reflow.rollout.collect import EVAL_SEED_BASE, ProgressLines
     from reflow.runtime.workers import RolloutWorker
+
+    def say(line: str) -> None:
+        console.print(line, highlight=False)
 
     config = config.model_copy(deep=True)
     config.resources.threads_per_slot = os.cpu_count() or 1  # an evaluation has the machine to itself
@@ -77,11 +81,13 @@ async def play_held_out(
             folder = str(Path(model_path).resolve())
             await worker.engine.update_weights(path=folder, version=worker.engine.weight_version)
         start = time.monotonic()
-        greedy = await worker.held_out(episodes, EVAL_SEED_BASE, 0.0, 1)
+        greedy = await worker.held_out(episodes, EVAL_SEED_BASE, 0.0, 1, ProgressLines(say, "greedy"))
         seconds = time.monotonic() - start
         sampled = []
         if pass_at:
-            sampled = await worker.held_out(episodes, EVAL_SEED_BASE, config.rollout.temperature, pass_at)
+            t = config.rollout.temperature
+            lines = ProgressLines(say, f"{pass_at} samples per task at temperature {t:g}")
+            sampled = await worker.held_out(episodes, EVAL_SEED_BASE, t, pass_at, lines)
     finally:
         await worker.close()
     return greedy, sampled, seconds

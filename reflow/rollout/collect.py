@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 from reflow.engine import Engine, SamplingParams
@@ -29,20 +30,47 @@ async def collect(
     seed: int = 0,
     concurrency: int = 32,
     env_kwargs: dict[str, Any] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[EpisodeRecord]:
     """`episodes` episodes in groups of `group_size` (task seed = seed + group index), `concurrency`
-    episodes in flight at once on the runner's engine."""
+    episodes in flight at once on the runner's engine. `progress(groups done, groups)` after each."""
     n_groups = max(1, episodes // group_size)
     limit = asyncio.Semaphore(max(1, concurrency // group_size))
+    done = 0
 
     async def one(g: int) -> list[EpisodeRecord]:
+        nonlocal done
         async with limit:
-            return await run_group(
+            group = await run_group(
                 runner, lambda: make(env_id, **(env_kwargs or {})), group_size, seed=seed + g
             )
+        done += 1
+        if progress is not None:
+            progress(done, n_groups)
+        return group
 
     groups = await asyncio.gather(*(one(g) for g in range(n_groups)))
     return [rec for group in groups for rec in group]
+
+
+class ProgressLines:
+    """A `collect` progress callback that says, through `say`, how far a long evaluation is: a line at
+    every `every` share of the tasks done, with the seconds so far and the seconds left at that pace."""
+
+    def __init__(self, say: Callable[[str], None], what: str, every: float = 0.1) -> None:
+        self.say, self.what, self.every = say, what, every
+        self.start, self.next = time.monotonic(), every
+
+    def __call__(self, done: int, total: int) -> None:
+        if done / total + 1e-9 < self.next and done < total:
+            return
+        while self.next <= done / total + 1e-9:
+            self.next += self.every
+        elapsed = time.monotonic() - self.start
+        left = elapsed / done * (total - done)
+        self.say(
+            f"{self.what}: {done}/{total} tasks ({done / total:.0%}), {elapsed:.0f} s, ~{left:.0f} s left"
+        )
 
 
 def summarize(records: list[EpisodeRecord], seconds: float) -> dict[str, Any]:

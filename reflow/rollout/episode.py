@@ -25,9 +25,10 @@ from typing import Any
 from reflow.engine import Engine, GenerateResult, SamplingParams
 from reflow.env import Env, EnvError, InfraError, Message, Task, parse_assistant
 from reflow.env.play import Policy
+from reflow.env.wrappers.episode_deadline import extend_deadlines
 from reflow.records import EpisodeRecord, Segment, TurnRecord
 from reflow.rollout.chat import ChatRenderer
-from reflow.rollout.routing import Routes
+from reflow.rollout.routing import EpisodeRoute, Routes
 
 
 @dataclass
@@ -163,6 +164,8 @@ class EpisodeRunner:
                 out = self._encode_demo(await _call(demo_policy, rec.messages, obs.tools), max_new)
             gen_s = time.monotonic() - t0
             timings["generation_s"] += gen_s
+            if isinstance(engine, EpisodeRoute) and engine.paused_s:  # sync mode's partial rollouts
+                extend_deadlines(env, engine.take_paused_s())
             generated += len(out.output_ids)
             versions = out.meta.get("token_versions") or [out.weight_version] * len(out.output_ids)
             segment.extend_sampled(out.output_ids, out.logprobs, versions)

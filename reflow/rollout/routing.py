@@ -17,6 +17,10 @@ the first request after a migration asks for one token and is timed, the rest of
 (the target's prefix cache holds the prefix by then). The episode's record counts them in
 `timings` (`migrations`, `reprefill_tokens`, `reprefill_s`).
 
+Paused (`Routes.pause`, sync mode's partial rollouts): every request in flight is aborted, its tokens
+kept, and no episode generates until `Routes.resume`; each then resubmits its exact prefix to its
+engine, which by then may hold newer weights (per-token versions; the prefix counts as re-prefilled).
+
 Failures are contained: a target that fails (its actor died, its engine raised) sends the episode
 back to its home engine, which resubmits the prefix (outcome "fallback: ..."); the home engine failing
 is the episode's `infra_error`, as without migration. A stop string that straddles a resubmission is
@@ -104,8 +108,12 @@ class EpisodeRoute:
         decode: Callable[[list[int]], str] | None = None,
         done: Callable[[Migration], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        gate: asyncio.Event | None = None,
     ) -> None:
         self.episode, self.group, self.home, self.home_name = episode, group, home, home_name
+        self.gate = gate  # set: requests may run (`Routes.pause` clears it)
+        self.paused_s = 0.0
+        """Seconds its generate calls waited for a resume (`take_paused_s`)."""
         self.engine: Engine = home
         self.engine_name = home_name
         self.decode, self.clock, self._done = decode, clock, done
@@ -121,6 +129,7 @@ class EpisodeRoute:
         """The newest policy version among the tokens sampled so far (-1: none yet)."""
         self._part: tuple[Engine, str] | None = None  # the request in flight: engine, its request id
         self._user_aborted: set[str] = set()
+        self._paused: set[str] = set()  # requests a pause aborted: resubmitted on resume
         self._tasks: set[asyncio.Task[Any]] = set()
 
     @property
@@ -156,6 +165,18 @@ class EpisodeRoute:
                 await part[0].abort(part[1])
         return mig
 
+    def take_paused_s(self) -> float:
+        """The seconds paused since the last call: the episode runner moves the env's deadline by them."""
+        paused, self.paused_s = self.paused_s, 0.0
+        return paused
+
+    async def pause(self) -> None:
+        """Abort the request in flight, if any (its tokens come back and wait for the gate)."""
+        if self._part is not None:
+            self._paused.add(self._part[1])
+            with contextlib.suppress(Exception):  # an engine that cannot abort fails its call: handled there
+                await self._part[0].abort(self._part[1])
+
     async def abort(self, request_id: str) -> None:
         """The runner's abort (a deadline): finishes the call with "abort", never resubmitted."""
         self._user_aborted.add(request_id)
@@ -174,6 +195,11 @@ class EpisodeRoute:
         last: GenerateResult | None = None
         try:
             while True:
+                if self.gate is not None and not self.gate.is_set():
+                    waited = self.clock()
+                    while not self.gate.is_set():  # paused: a resume may be undone before this runs
+                        await self.gate.wait()
+                    self.paused_s += self.clock() - waited
                 engine, mig = self.engine, self.pending
                 probe = mig is not None and params.max_new_tokens - len(out) > 1
                 part_rid = rid if parts == 0 else f"{rid}.{parts}"
@@ -211,6 +237,15 @@ class EpisodeRoute:
                     mig.first_token_s = self.clock() - started
                     self._finish(mig, "ok")
                 moved = self.engine is not engine and rid not in self._user_aborted
+                paused = part_rid in self._paused and rid not in self._user_aborted
+                self._paused.discard(part_rid)
+                if last.finish_reason == "abort" and paused and not moved:
+                    if len(out) >= params.max_new_tokens:  # paused at the very end of its token budget
+                        last = replace(last, finish_reason="length")
+                        break
+                    reprefill += len(input_ids) + len(out)  # its engine computes the prefix again
+                    split_at = len(out) if split_at is None else split_at
+                    continue
                 if last.finish_reason == "abort" and moved:
                     if len(out) >= params.max_new_tokens:  # moved at the very end of its token budget
                         last = replace(last, finish_reason="length")
@@ -324,6 +359,8 @@ class Routes:
         self.home, self.home_name, self.decode, self.clock = home, home_name, decode, clock
         self._routes: dict[str, EpisodeRoute] = {}
         self._measured: list[Migration] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
 
     def open(self, episode: str, group: str) -> EpisodeRoute:
         if episode in self._routes:
@@ -336,6 +373,7 @@ class Routes:
             decode=self.decode,
             done=self._record,
             clock=self.clock,
+            gate=self.gate,
         )
         self._routes[episode] = route
         return route
@@ -365,6 +403,17 @@ class Routes:
         )
         mig = await route.migrate(engine, target_name)
         return {"applied": True, "tokens": mig.tokens, "in_flight": mig.in_flight, "source": mig.source}
+
+    async def pause(self) -> int:
+        """No episode generates until `resume`: requests in flight are aborted (their tokens kept, the
+        rest resubmitted on resume). Episodes in an env step finish it and wait. Returns the episodes
+        paused."""
+        self.gate.clear()
+        await asyncio.gather(*(route.pause() for route in list(self._routes.values())))
+        return len(self._routes)
+
+    def resume(self) -> None:
+        self.gate.set()
 
     def take_measured(self) -> list[dict[str, Any]]:
         """The migrations finished (measured) since the last call."""

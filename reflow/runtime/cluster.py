@@ -30,7 +30,8 @@ import ray
 from reflow.config import RunConfig
 from reflow.runtime.replay_service import REPLAY_THREADS, ReplayService, cycle_config
 from reflow.runtime.role_change import RoleChange, Slot, move_slot
-from reflow.runtime.workers import GroupReport, RolloutWorker, TrainerRank
+from reflow.runtime.trainer_rank import TrainerRank
+from reflow.runtime.workers import GroupReport, RolloutWorker
 from reflow.sandbox.reaper import mark_run, reap_run
 
 ROLE_ACTORS: dict[str, type] = {"rollout": RolloutWorker, "train": TrainerRank}

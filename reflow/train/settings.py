@@ -100,7 +100,8 @@ class TrainerConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     behaviour_is_prox: bool = True
     """Sync mode: the sampling policy is the pre-update policy, so the IS weight is exactly 1 and the
-    engine's log-probs are not used. False: behaviour log-probs are the engine's, so the weight
+    engine's log-probs are not used, for every token of the trainer's own version; an older token (a
+    partial rollout carried over a step, sync mode's tail handling) keeps the engine's. False: behaviour log-probs are the engine's, so the weight
     pi_prox / pi_behav corrects staleness and the engine-trainer mismatch (capped or truncated by the
     loss). The gap is logged either way (engine_kl, engine_gap_max, is_ess)."""
     temperature: float = 1.0

@@ -8,8 +8,9 @@ loss (decoupled PPO or truncated IS, `reflow.train.losses`), clips the gradient 
 step, once per mini-batch and epoch (`minibatches`, `epochs`; one update by default). The proximal
 policy is the weights before the first update; with one update per batch its log-probs are exactly the
 detached log-probs of the same forward pass, so no extra forward is spent on them (unless the M2 trust
-region is on, below). In sync mode the behaviour policy *is* the proximal one (`behaviour_is_prox`):
-the IS weight is exactly 1 and nothing is masked. Otherwise the behaviour log-probs are the ones the
+region is on, below). In sync mode the behaviour policy *is* the proximal one (`behaviour_is_prox`)
+for the tokens of the trainer's own version: their IS weight is exactly 1 and nothing is masked (an
+older token, a partial rollout carried over a step, keeps the engine's log-prob). Otherwise the behaviour log-probs are the ones the
 engine recorded at sampling time. Every step also reports how far the trainer's pre-update log-probs
 are from the engine's (`engine_kl`, an estimate of KL(engine || prox), and `engine_gap_max`) and the
 effective sample size of the weights between them (`is_ess`): in sync mode that is the engine-trainer
@@ -233,7 +234,9 @@ class PolicyTrainer:
                         gap_max = max(gap_max, float(g["engine_gap_max"]))
                         sums = row_sums(prox_logp, t["behav"], t["adv"], t["mask"], self.cfg.loss)
                         groups.add([r.group_id for r in batch], sums)
-                    behav = prox_logp if self.cfg.behaviour_is_prox else t["behav"]
+                    behav = t["behav"]
+                    if self.cfg.behaviour_is_prox:  # older tokens: partial rollouts carried over a step
+                        behav = torch.where(t["versions"] >= self.version, prox_logp, behav)
                     loss, stats = policy_loss(
                         logp,
                         prox_logp,

@@ -1,7 +1,8 @@
 """EpisodeDeadline: a wall-clock budget for the whole episode, reset included.
 
 A step that would run past the deadline is cancelled and the episode ends with status "timeout"; so
-does the first step after the deadline has passed (the time the policy spent counts too).
+does the first step after the deadline has passed (the time the policy spent counts too, but not the
+time its generation was paused by the trainer's turn: `extend_deadlines`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ class EpisodeDeadline(Wrapper):
                 f"{self.unwrapped!r}: reset took longer than the {self.deadline_s}s deadline"
             ) from None
 
+    def extend(self, seconds: float) -> None:
+        if self.deadline is not None:
+            self.deadline += seconds
+
     async def step(self, turn: AssistantTurn) -> StepResult:
         left = (self.deadline or time.monotonic()) - time.monotonic()
         if left > 0:
@@ -45,3 +50,12 @@ class EpisodeDeadline(Wrapper):
                 "error": f"episode deadline of {self.deadline_s}s passed",
             },
         )
+
+
+def extend_deadlines(env: Env, seconds: float) -> None:
+    """Move every `EpisodeDeadline` in `env`'s wrapper chain `seconds` later (an episode whose generation
+    waited that long, paused, did not spend them)."""
+    while env is not None:
+        if isinstance(env, EpisodeDeadline):
+            env.extend(seconds)
+        env = getattr(env, "env", None)

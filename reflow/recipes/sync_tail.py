@@ -1,0 +1,168 @@
+"""Tail handling in sync mode (`tail.enabled: true`; off by default in sync): over-provisioning and
+partial rollouts, as slime's APRIL has them.
+
+A round starts B + delta groups (delta from the tail's heaviness: the `TailGate` the decoupled loop
+asks, without per-episode actions) and ends once B are done. With `tail.carry_over` (the default) the
+groups still running pause (`RolloutWorker.pause_episodes`: requests aborted, their tokens kept) through
+the train step and the weight update, and resume in the next round on the new weights: their earlier
+tokens are one version stale, so their per-token versions and the importance weights apply (the sync
+trainer takes the engine's log-probs as the behaviour policy's for tokens older than its weights). With
+`carry_over: false` they are cancelled and their tasks start over in the next round. Groups with
+reward spread done beyond B train in the next round first (the oldest groups train first). A round waits
+for the groups it carried in, so no token is more than one version stale: the price is that a carried
+straggler holds its second round open. The env's deadline moves by the seconds an episode waited
+paused (`rollout.episode_deadline_s` is refused with this mode). Nothing is lost between rounds; a
+resume takes up the groups one version old; at the end of the run the unfinished groups are cancelled
+(one that finished first is stored, and the `run_end` event says so).
+
+A round counts as done its groups with reward spread, and its zero-spread groups beyond the ones
+`rollout.max_resample_rounds` lets it replace (B per resampling round): with resampling off a round
+ends after B groups, as plain sync's does. The group durations over-provisioning reads leave the pauses
+out (the records' episode timings keep them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from reflow.config import RunConfig
+from reflow.policy.tail import TailPolicy
+from reflow.recipes.run_log import RunLog
+from reflow.recipes.run_state import RunState, next_seeds, observe_tasks
+from reflow.runtime.cluster import Cluster
+from reflow.runtime.tail import GroupInFlight, TailGate
+from reflow.runtime.workers import GroupReport
+
+CANCEL_TIMEOUT_S = 30.0
+"""How long the loop waits for its cancelled groups to end before it goes on without them."""
+
+
+@dataclass
+class Running:
+    """A group in flight: its task seed, where and since when (pauses left out)."""
+
+    seed: int
+    group: GroupInFlight
+    carried: bool = False
+    """Carried into this round: the round waits for it (its tokens stay at most one version stale)."""
+
+
+class SyncTail:
+    """The sync loop's collector with tail handling (module docstring). `pending`: groups stored with
+    the current weights before a resume, used first."""
+
+    def __init__(self, cluster: Cluster, config: RunConfig, pending: list[GroupReport] | None = None) -> None:
+        r = config.rollout
+        self.cluster, self.config, self.batch = cluster, config, r.groups_per_step
+        self.policy = TailPolicy(config.tail.policy_config())
+        self.gate = TailGate(self.policy, self.batch, max(1, r.max_batch_size // r.group_size), r.group_size)
+        self.running: dict[Any, Running] = {}
+        self.spare: list[GroupReport] = []  # groups with spread done beyond B, counted already
+        self.leftover = list(pending or [])  # stored before a resume, counted in the next round
+        self.restart: list[int] = []  # task seeds of cancelled groups (carry_over off)
+        self.seconds: list[float] = []
+        self.episode_seconds: list[float] = []
+        self.paused_at: float | None = None
+
+    def collect(self, state: RunState, log: RunLog) -> tuple[list[GroupReport], list[GroupReport]]:
+        """(B groups with reward spread or fewer, every group that arrived in this round)."""
+        self._resume()
+        reports, self.leftover = self.leftover, []
+        usable = [*self.spare, *(r for r in reports if r.has_spread)]
+        zero, self.spare = sum(not r.has_spread for r in reports), []
+        allowance = self.config.rollout.max_resample_rounds * self.batch
+        while True:
+            done = len(usable) + max(0, zero - allowance)
+            loads = [0] * len(self.cluster.rollout)
+            for run in self.running.values():
+                loads[run.group.worker] += 1
+            look = self.gate.look(done, [r.group for r in self.running.values()], loads, time.monotonic())
+            for event in look.events:
+                log.write("tail", {"step": state.step, "version": state.version, **event})
+            while done < self.batch and look.allows() and (w := look.worker()) is not None:
+                state.tail_over_provisioned += look.take(w)
+                self._launch(w, state)
+            if not self.running or (done >= self.batch and not any(r.carried for r in self.running.values())):
+                break
+            ready, _ = ray.wait(list(self.running), num_returns=1)
+            for ref in ready:
+                run = self.running.pop(ref)
+                (report,) = ray.get(ref)
+                report.seconds = time.monotonic() - run.group.started  # its pauses left out
+                observe_tasks(self.config, state, [run.seed], [report])
+                reports.append(report)
+                usable += [report] if report.has_spread else []
+                zero += not report.has_spread
+                self.seconds.append(report.seconds)
+                self.episode_seconds += report.episode_seconds
+            self.gate.observe(self.seconds, self.episode_seconds)
+        usable.sort(key=lambda r: r.policy_version)  # the carried-in groups train now, not a round later
+        self.spare = usable[self.batch :]
+        self._carry(state)
+        return usable[: self.batch], reports
+
+    def close(self, state: RunState, log: RunLog) -> None:
+        """The run is over: the groups still in flight or paused are cancelled (a group that finished
+        meanwhile is stored: its tokens count, its event says so), then the workers' episodes may
+        generate again."""
+        dropped = len(self.running)
+        done = [report for _, report in self._cancel()]
+        state.generated_tokens += sum(r.generated_tokens for r in done)
+        if dropped:
+            why = f"the run ended: {dropped} unfinished groups cancelled, {len(done)} of them stored first"
+            log.write("tail", {"step": state.step, "version": state.version, "what": "run_end",
+                               "why": why, "applied": True, "dropped": dropped, "stored": len(done)})  # fmt: skip
+        if self.paused_at is not None:
+            ray.get([w.resume_episodes.remote() for w in self.cluster.rollout])
+            self.paused_at = None
+
+    def _cancel(self) -> list[tuple[Running, GroupReport]]:
+        """Cancel every group in flight and wait for the cancellations (a paused episode ends where it
+        waits): none runs on after this. Returns the groups that finished first (stored)."""
+        running, self.running = self.running, {}
+        for ref in running:
+            with contextlib.suppress(Exception):
+                ray.cancel(ref)
+        refs = list(running)
+        ended, _ = ray.wait(refs, num_returns=len(refs), timeout=CANCEL_TIMEOUT_S) if refs else ([], [])
+        done: list[tuple[Running, GroupReport]] = []
+        for ref in ended:
+            with contextlib.suppress(Exception):  # cancelled (or failed): nothing was stored
+                (report,) = ray.get(ref)
+                done.append((running[ref], report))
+        return done
+
+    def _launch(self, worker: int, state: RunState) -> None:
+        seed = self.restart.pop(0) if self.restart else next_seeds(state, 1, self.config)[0]
+        ref = self.cluster.rollout[worker].generate.remote([seed])
+        self.running[ref] = Running(seed, GroupInFlight(worker, f"seed-{seed}", time.monotonic()))
+
+    def _carry(self, state: RunState) -> None:
+        """B done: the groups still running pause until the next round, or start over then."""
+        if not self.running:
+            return
+        if self.policy.cfg.carry_over:
+            ray.get([w.pause_episodes.remote() for w in self.cluster.rollout])
+            self.paused_at = time.monotonic()
+            state.tail_carried_over += len(self.running)
+            for run in self.running.values():
+                run.carried = True
+            return
+        seeds = [run.seed for run in self.running.values()]
+        finished = self._cancel()  # a group that finished meanwhile is stored: the next round counts it
+        self.leftover += [report for _, report in finished]
+        done = {run.seed for run, _ in finished}
+        self.restart += [seed for seed in seeds if seed not in done]
+
+    def _resume(self) -> None:
+        if self.paused_at is None:
+            return
+        ray.get([w.resume_episodes.remote() for w in self.cluster.rollout])
+        paused_s, self.paused_at = time.monotonic() - self.paused_at, None
+        for run in self.running.values():
+            run.group.started += paused_s
