@@ -56,18 +56,11 @@ class SlotKVCache:
         self.dtype = dtype
         self.headroom = headroom  # minimum free columns added on the right when the buffers grow
         self.park_window = park_window
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        self.capacity = 0
-        self.mask = torch.zeros(max_rows, 0, dtype=torch.bool, device=self.device)
-        self.end = 0  # the shared write column
-        self.start: list[int] = [0] * max_rows  # first column of each row's tokens
         self.live: set[int] = set()  # rows holding a running sequence
         self.parked: dict[int, Parked] = {}
-        self.n_rows = 0  # rows [0, n_rows) take part in a decode step
         self.rebases = 0  # how often the kept columns were copied into new buffers
         self._stamp = 0
-        self._shape: tuple[int, int] | None = None  # (kv_heads, head_dim), known after the first write
+        self._empty()
         # Set around each forward call.
         self._mode = "decode"
         self._lo = 0
@@ -121,10 +114,18 @@ class SlotKVCache:
         if self.live:
             raise RuntimeError(f"{len(self.live)} live rows: the cache cannot be freed under them")
         self.parked.clear()
-        self.keys, self.values, self._shape = [], [], None
-        self.capacity = self.end = self.n_rows = 0
-        self.start = [0] * self.max_rows
+        self._empty()
+
+    def _empty(self) -> None:
+        """No buffers, no rows: the state a new cache starts in and `free` returns to."""
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.capacity = 0
         self.mask = torch.zeros(self.max_rows, 0, dtype=torch.bool, device=self.device)
+        self.end = 0  # the shared write column
+        self.start: list[int] = [0] * self.max_rows  # first column of each row's tokens
+        self.n_rows = 0  # rows [0, n_rows) take part in a decode step
+        self._shape: tuple[int, int] | None = None  # (kv_heads, head_dim), known after the first write
 
     def reset(self) -> None:
         """Drop every sequence (after a failed step); buffers are kept."""

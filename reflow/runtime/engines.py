@@ -120,4 +120,6 @@ async def load_policy(
     for old in root.glob("v*"):  # the servers hold the weights now; keep only the newest folder
         if old != folder:
             shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(".v*"):  # writes a kill interrupted (this worker is the folder's only writer)
+        shutil.rmtree(stale, ignore_errors=True)
     return new_version

@@ -231,6 +231,9 @@ async def test_a_rollout_worker_drives_sglang_servers_and_hands_them_each_policy
     policy, _ = load_model(model_dir)
     with torch.no_grad():
         policy.model.embed_tokens.weight.add_(0.5)  # the "trained" weights (tied to lm_head)
+    killed = tmp_path / "runs" / "run" / "engine-weights" / "worker-0" / ".v000001.x1y2.tmp"
+    killed.mkdir(parents=True)  # a write a kill interrupted (in an earlier life of the run)
+    (killed / "model.safetensors").write_bytes(b"half")
     for step in (1, 2):
         assert await worker.update_weights(policy.state_dict(), version=step) == step
         (body,) = [b for _, path, b in log if path == "/update_weights_from_disk"][-1:]
@@ -240,7 +243,8 @@ async def test_a_rollout_worker_drives_sglang_servers_and_hands_them_each_policy
         assert torch.equal(loaded.lm_head.weight, policy.model.embed_tokens.weight)
         assert tok.chat_template
     folders = sorted(p.name for p in (tmp_path / "runs" / "run" / "engine-weights" / "worker-0").iterdir())
-    assert folders == ["v000002"]  # the servers hold the weights: only the newest folder stays
+    assert folders == ["v000002"]  # the servers hold the weights: only the newest folder stays, and
+    # no half-written one
     assert await worker.weight_version() == 2
     await worker.close()
 
