@@ -179,9 +179,14 @@ class RolloutWorker:
             yield
         finally:
             self._calls_in_flight -= 1
-            release = getattr(self.engine, "release_cache", None)  # TorchEngine; SGLang's pool is fixed
-            if self._calls_in_flight == 0 and release is not None and self.config.mode == "sync":
-                await release()
+            if self._calls_in_flight == 0 and self.config.mode == "sync":
+                await self._release_cache()
+
+    async def _release_cache(self) -> None:
+        """The engine hands its KV memory back if nothing runs (TorchEngine; SGLang's pool is fixed)."""
+        release = getattr(self.engine, "release_cache", None)
+        if release is not None:
+            await release()
 
     # -- the tail scheduler's calls (`reflow.runtime.worker_tail`) ------------------------------------------
 
@@ -200,9 +205,7 @@ class RolloutWorker:
         """Sync mode's partial rollouts: no episode generates until `resume_episodes` (requests in flight
         aborted, their tokens kept); the engine's KV memory goes back meanwhile. The episodes paused."""
         paused = await self.tail.routes.pause()
-        release = getattr(self.engine, "release_cache", None)
-        if release is not None:  # a no-op while an aborted request is still winding down
-            await release()
+        await self._release_cache()  # a no-op while an aborted request is still winding down
         return paused
 
     async def resume_episodes(self) -> None:
