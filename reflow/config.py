@@ -522,7 +522,30 @@ class RunConfig(_Section):
             # sync generates and trains in turn on every slot: no role to move (its tail handling,
             # `tail.enabled`, is `reflow.recipes.sync_tail`)
             raise ValueError("elastic.enabled applies to the decoupled modes (async, reflow), not sync")
+        if self.elastic.lend:
+            self._check_lending()
         return self
+
+    def _check_lending(self) -> None:
+        """`elastic.lend`: an engine beside each trainer rank, given work by the elastic pool."""
+        if not self.elastic.active(self.mode):
+            raise ValueError(
+                "elastic.lend needs the elastic pool (mode reflow, or elastic.enabled: true in async)"
+            )
+        if self.engine.kind != "torch" or self.resources.device != "cpu":
+            # on a GPU the lent engine would need the trainer rank's device and its memory handed
+            # over through every step (offload, sleep): not built; CPU threads share by themselves
+            raise ValueError(
+                "elastic.lend needs engine.kind torch on resources.device cpu (the lent engine shares "
+                "its slot; lending a GPU is not supported yet)"
+            )
+        if len(self.resources.slots) > 2:
+            # moving a slot whose engine is lent (its paused groups) is not built yet: on two slots no
+            # move is possible and lending is the pool's only action
+            raise ValueError(
+                f"elastic.lend needs two slots (resources.slots has {len(self.resources.slots)}): a role "
+                "move beside lending is not supported yet"
+            )
 
     @property
     def run_dir(self) -> Path:

@@ -134,6 +134,7 @@ def test_sync_and_async_rows_run_their_mode_plain_even_where_the_config_switches
             "sync-tail": (False, True),
             "reflow-static": (False, False),
             "reflow-no-tail": (True, False),
+            "reflow-lend": (True, True),
         }
         assert parts == expected.get(name, (False, False)), name
 
@@ -145,14 +146,16 @@ def test_ablation_rows_run_reflow_with_parts_off_and_show_role_changes_and_tail_
         ("sync-tail", "sync"),
         ("reflow-static", "reflow"),
         ("reflow-no-tail", "reflow"),
+        ("reflow-lend", "reflow"),
     ]
     assert dict((name, extra) for name, _, extra in rows)["reflow-static"] == [
         "elastic.enabled=false",
         "tail.enabled=false",
     ]
     assert dict((name, extra) for name, _, extra in rows)["reflow-no-tail"] == ["tail.enabled=false"]
+    assert dict((name, extra) for name, _, extra in rows)["reflow-lend"] == ["elastic.lend=true"]
 
-    def counted(mode, seed, changes, cost, over, carried):
+    def counted(mode, seed, changes, cost, over, carried, lent_s=0.0):
         run = _run(mode, seed, [0.1, 0.3])
         run["summary"].update(
             role_changes=changes,
@@ -160,6 +163,8 @@ def test_ablation_rows_run_reflow_with_parts_off_and_show_role_changes_and_tail_
             tail_over_provisioned=over,
             tail_carried_over=carried,
             tail_migrations=0,
+            lent_busy_s=lent_s,
+            lent_yields=int(lent_s),
         )
         return run
 
@@ -169,16 +174,21 @@ def test_ablation_rows_run_reflow_with_parts_off_and_show_role_changes_and_tail_
         counted("reflow", 1, 4, 5.0, 6, 14),
         counted("reflow-static", 0, 0, 0.0, 0, 0),
         counted("reflow-no-tail", 0, 1, 2.5, 0, 0),
+        counted("reflow-lend", 0, 0, 0.0, 3, 5, lent_s=12.5),
     ]
     md = table(results, {"target": 0.2}, budget_minutes=1)
     header, cells = _rows(md, "| mode | seeds |")
-    assert header[-5:] == ["role changes", "role change s", "over-provisioned", "carried over", "migrations"]
-    assert list(cells) == ["sync", "reflow", "reflow-static", "reflow-no-tail"]  # the table's order
-    assert all(len(c) == len(header) == 23 for c in cells.values())  # mode, seeds, time and reached, 19 more
+    assert header[-7:] == [
+        "role changes", "role change s", "over-provisioned", "carried over", "migrations", "lent s",
+        "lent yields",
+    ]  # fmt: skip
+    assert list(cells) == ["sync", "reflow", "reflow-static", "reflow-no-tail", "reflow-lend"]  # table order
+    assert all(len(c) == len(header) == 25 for c in cells.values())  # mode, seeds, time and reached, 21 more
     # two seeds: mean ± t(1) s / sqrt(2), with s = 1.41 for 2 and 4: 12.706
-    assert cells["reflow"][-5:] == ["3 ± 12.7", "4 ± 12.7", "5 ± 12.7", "12 ± 25.4", "0 ± 0"]
-    assert cells["reflow-no-tail"][-5:] == ["1", "2.5", "0", "0", "0"]  # one seed: no interval
-    assert cells["sync"][-5:] == ["0"] * 5
+    assert cells["reflow"][-7:-2] == ["3 ± 12.7", "4 ± 12.7", "5 ± 12.7", "12 ± 25.4", "0 ± 0"]
+    assert cells["reflow-no-tail"][-7:] == ["1", "2.5", "0", "0", "0", "0", "0"]  # one seed: no interval
+    assert cells["reflow-lend"][-2:] == ["12.5", "12"]
+    assert cells["sync"][-7:] == ["0"] * 7
     assert plot(results, tmp_path, {"target": 0.2}).stat().st_size > 1000
 
 

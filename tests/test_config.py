@@ -115,6 +115,31 @@ def test_an_env_id_of_a_namespace_is_accepted():
             ["env.id=reflow/Calc-v0", "mode=sync", "tail.enabled=true", "rollout.episode_deadline_s=60"],
             "rollout.episode_deadline_s does not combine with tail.enabled",
         ),
+        (["env.id=reflow/Calc-v0", "mode=async", "elastic.lend=true"], "elastic.lend needs the elastic pool"),
+        (
+            [
+                "env.id=reflow/Calc-v0",
+                "mode=reflow",
+                "elastic.lend=true",
+                "engine.kind=sglang",
+                "engine.launch_port=30000",
+            ],
+            "elastic.lend needs engine.kind torch on resources.device cpu",
+        ),
+        (
+            ["env.id=reflow/Calc-v0", "mode=reflow", "elastic.lend=true", "resources.device=cuda"],
+            "lending a GPU is not supported yet",
+        ),
+        (
+            [
+                "env.id=reflow/Calc-v0",
+                "mode=reflow",
+                "elastic.lend=true",
+                "resources.slots=[rollout, rollout, train]",
+            ],
+            "elastic.lend needs two slots",
+        ),
+        (["env.id=reflow/Calc-v0", "elastic.lend_overhead=1"], "lend_overhead is a share in [0, 1)"),
         (["env.id=reflow/Calc-v0", "model.lora.r=0"], "r must be >= 1"),
         (["env.id=reflow/Calc-v0", "model.lora.dropout=1"], "dropout must be in [0, 1)"),
         (["env.id=reflow/Calc-v0", "model.lora.target_modules=[]"], "target_modules must be a non-empty"),

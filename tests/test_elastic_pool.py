@@ -92,6 +92,7 @@ class _RecordingCluster:
 
         self.slots = [SimpleNamespace(index=i, role=r) for i, r in enumerate(roles)]
         self.moves = []
+        self.lent = []  # no engine lent beside the trainer
 
     @property
     def rollout_slots(self):
@@ -250,7 +251,7 @@ def test_role_changes_both_ways_keep_groups_versions_and_gradients(tmp_path, ray
 
     from reflow.runtime.cluster import Cluster
 
-    ray.init(num_cpus=6, include_dashboard=False)
+    ray.init(address="local", num_cpus=6, include_dashboard=False)
     slots = "resources.slots=[rollout, rollout, train]"
     config = load_config(None, [*BASE, f"out_dir={tmp_path}", slots, *lora])
     model_path = _model_path(config)
@@ -326,7 +327,7 @@ def test_a_drain_past_its_timeout_returns_the_groups_it_abandons(tmp_path, ray_e
 
     from reflow.runtime.cluster import Cluster
 
-    ray.init(num_cpus=4, include_dashboard=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False)
     config = load_config(
         None,
         [
@@ -442,7 +443,7 @@ def test_an_abandoned_group_stored_before_the_kill_arrives_after_all(tmp_path, r
     from reflow.runtime.replay_service import ReplayService
     from reflow.runtime.role_change import stored_after_all
 
-    ray.init(num_cpus=1, include_dashboard=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False)
     replay = ray.remote(ReplayService).remote(str(tmp_path / "replay.sqlite"), "r", CycleConfig())
     ray.get(replay.add_group.remote(*make_group("late", [0.0, 1.0])))
     late, gone = stored_after_all(replay, ["late", "never"])

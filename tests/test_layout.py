@@ -192,7 +192,7 @@ def test_the_ray_runtime_and_the_simulator_implement_the_actuator():
         return params, hints.get("return")
 
     methods = {n for n, v in vars(Actuator).items() if inspect.isfunction(v) and not n.startswith("_")}
-    assert methods == {"move_slot", "migrate", "free_engine", "set_concurrency"}
+    assert methods == {"move_slot", "lend", "migrate", "free_engine", "set_concurrency"}
     for cls in (RayActuator, SimActuator):
         for name in sorted(methods):
             assert name in vars(cls), f"{cls.__name__} does not implement Actuator.{name}"

@@ -206,7 +206,7 @@ def test_a_step_with_no_sampled_token_keeps_the_version_and_pushes_nothing(tmp_p
             self.published.append(version)
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=1, include_dashboard=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False)
     try:
         config = load_config(
             None, ["env.id=reflow/Calc-v0", "mode=reflow", f"out_dir={tmp_path}", "run_name=r"]

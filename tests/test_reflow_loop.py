@@ -38,7 +38,7 @@ def test_moved_positions_from_the_rollout_slots_before_and_after():
 
 
 def test_busy_clock_keeps_a_leaving_workers_busy_time_and_a_joining_one_starts_idle():
-    from reflow.recipes.decoupled import BusyClock
+    from reflow.recipes.loop_counters import BusyClock
 
     clock = BusyClock(3)
     clock.start(1)

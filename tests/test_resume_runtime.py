@@ -42,7 +42,7 @@ def test_a_resumed_run_moves_a_slot_and_pushes_weights_after_its_checkpoint_is_r
     from reflow.recipes.run_log import RunLog
     from reflow.runtime.cluster import Cluster
 
-    ray.init(num_cpus=6, include_dashboard=False)
+    ray.init(address="local", num_cpus=6, include_dashboard=False)
     config = load_config(None, [*BASE, f"out_dir={tmp_path}"])
     run_dir, root = tmp_path / "run", str(tmp_path / "run" / "checkpoints")
     cluster = Cluster(config, str(resolve_model_path(config.model.name, **config.model_overrides)), run_dir)

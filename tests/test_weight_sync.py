@@ -208,9 +208,10 @@ def ray_cluster(tmp_path, monkeypatch):
 
         class FakeCluster:  # what WeightPusher needs of a Cluster
             state_dict_ref = Cluster.state_dict_ref
+            engines = Cluster.engines
 
         cluster = FakeCluster()
-        cluster.rollout, cluster.trainers = rollout, [trainer]
+        cluster.rollout, cluster.trainers, cluster.lent = rollout, [trainer], []
         yield cluster
     finally:
         ray.shutdown()

@@ -1,6 +1,7 @@
 """The scheduling policies: plain objects and functions, counters in, decisions out.
 
-- `elastic`: how many device slots roll out and how many train (`ElasticPolicy`).
+- `elastic`: how many device slots roll out and how many train (`ElasticPolicy`), and how many train
+  slots lend their engine to rollout while their trainer waits (`lending`: its arithmetic).
 - `tail`: what to do with a batch's episodes still running (`TailPolicy`: over-provision, carry
   over, migrate, free an engine, set a concurrency limit).
 - `dual_cycle`: which groups may start (`AdmissionControl`) and how much of a batch replay may fill

@@ -33,8 +33,11 @@ class Actuator(Protocol):
         the change's cost, measured or modelled."""
         ...
 
-    # Lending a train slot's idle time to rollout (a slot generating while the trainer waits, without
-    # changing role) is a later change: its method joins the protocol here, beside `move_slot`.
+    def lend(self, decision: ElasticDecision) -> dict[str, Any]:
+        """Set how many train slots lend their engine (`decision.lent_slots`, after a `lend` or
+        `reclaim` decision): a lent engine takes groups while its trainer waits and yields when a step
+        starts, without its slot changing role (`reflow.policy.lending`)."""
+        ...
 
     def migrate(self, action: Migrate) -> dict[str, Any]:
         """Move one running episode to another engine, resubmitting its exact token prefix."""

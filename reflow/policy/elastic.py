@@ -41,8 +41,10 @@ rate model the policy holds and says so.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
+
+from reflow.policy.lending import lent_throughput, relative_gain, unlent_train_rate
 
 
 def _doc(text: str) -> dict[str, str]:
@@ -70,6 +72,21 @@ class ElasticConfig:
             "rest are abandoned (their admission slots freed, generated again elsewhere)"
         ),
     )
+    lend: bool = field(
+        default=False,
+        metadata=_doc(
+            "each train slot also holds a rollout engine the policy may lend: it takes groups while the "
+            "trainer waits for a batch and yields the moment a step starts (torch engine; two slots)"
+        ),
+    )
+    lend_overhead: float = field(
+        default=0.05,
+        metadata=_doc("the trainer's assumed slowdown (share of its rate) beside a lent engine"),
+    )
+    lend_min_gain: float = field(
+        default=0.02,
+        metadata=_doc("lending or reclaiming a slot needs its predicted throughput this much higher (share)"),
+    )
 
     def __post_init__(self) -> None:
         if self.horizon_steps < 1:
@@ -84,6 +101,10 @@ class ElasticConfig:
             )
         if not (math.isfinite(self.drain_timeout_s) and self.drain_timeout_s > 0):
             raise ValueError(f"drain_timeout_s must be finite and > 0, got {self.drain_timeout_s}")
+        if not 0.0 <= self.lend_overhead < 1.0:
+            raise ValueError(f"lend_overhead is a share in [0, 1), got {self.lend_overhead}")
+        if not (math.isfinite(self.lend_min_gain) and self.lend_min_gain >= 0):
+            raise ValueError(f"lend_min_gain must be finite and >= 0, got {self.lend_min_gain}")
         if not (math.isfinite(self.initial_change_cost_s) and self.initial_change_cost_s >= 0):
             raise ValueError(
                 f"initial_change_cost_s must be finite and >= 0, got {self.initial_change_cost_s}"
@@ -145,8 +166,17 @@ class ElasticObservation:
     to_train_cost: RoleChangeCost | None = None
     """Measured cost of turning a rollout slot into a train slot (None: none measured yet)."""
     unit: Literal["samples", "tokens"] = "samples"
+    lent_slots: int = 0
+    """l: train slots lending their engine now (their generation is in `rollout_rate`'s counters)."""
+    lendable_slots: int = 0
+    """Train slots that hold an engine to lend (0: lending is off)."""
 
     def __post_init__(self) -> None:
+        if not 0 <= self.lent_slots <= self.lendable_slots <= self.train_slots:
+            raise ValueError(
+                f"lent_slots {self.lent_slots} <= lendable_slots {self.lendable_slots} <= train_slots "
+                f"{self.train_slots} does not hold"
+            )
         for name in ("step", "version", "steps_since_change", "fresh_waiting", "in_flight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ElasticObservation.{name} must be >= 0, got {getattr(self, name)}")
@@ -203,6 +233,8 @@ class Totals:
     trainer_busy_s: float = 0.0
     """Time the trainer group spent in train steps."""
     trained: float = 0.0
+    lent_busy_s: float = 0.0
+    """Summed over lent engines: time generating (not paused) with a group in flight."""
 
 
 @dataclass(frozen=True)
@@ -217,6 +249,8 @@ class Interval:
     rollout_offered_s: float | None = None
     """Rollout slot-seconds offered in the interval (slots that came or went count for the time they
     were there); None: the interval's seconds x the rollout slots at the boundary."""
+    lent_busy_s: float = 0.0
+    """Lent engines' generating seconds (in the rollout rate; not in the rollout slots' idle ratio)."""
 
     @classmethod
     def between(cls, then: Totals, now: Totals) -> Interval:
@@ -229,6 +263,7 @@ class Interval:
             generated=diff["generated"],
             trainer_busy_s=diff["trainer_busy_s"],
             trained=diff["trained"],
+            lent_busy_s=diff["lent_busy_s"],
         )
 
 
@@ -247,10 +282,15 @@ def observe(
     to_rollout_cost: RoleChangeCost | None = None,
     to_train_cost: RoleChangeCost | None = None,
     unit: Literal["samples", "tokens"] = "samples",
+    lent_slots: int = 0,
+    lendable_slots: int = 0,
 ) -> ElasticObservation:
     """The policy's observation from one interval's counters (see the module docstring); a side with
-    no busy time measured gets rate 0 (the policy then holds), an interval of no time idle 0."""
-    r = interval.generated / interval.rollout_busy_s if interval.rollout_busy_s > 0 else 0.0
+    no busy time measured gets rate 0 (the policy then holds), an interval of no time idle 0. A lent
+    engine's generating seconds count in r (work per generating slot-second), not in the rollout
+    idle ratio, which stays the rollout slots' own (a lent engine generating would hide their wait)."""
+    generating = interval.rollout_busy_s + interval.lent_busy_s
+    r = interval.generated / generating if generating > 0 else 0.0
     busy_train = interval.trainer_busy_s * train_slots
     t = interval.trained / busy_train if busy_train > 0 else 0.0
     wall = interval.seconds
@@ -274,6 +314,8 @@ def observe(
         to_rollout_cost=to_rollout_cost,
         to_train_cost=to_train_cost,
         unit=unit,
+        lent_slots=lent_slots,
+        lendable_slots=lendable_slots,
     )
 
 
@@ -281,8 +323,9 @@ def observe(
 class ElasticDecision:
     """The split to hold or move to, what the move is predicted to buy, and why (a metrics event)."""
 
-    action: Literal["hold", "to_rollout", "to_train"]
-    """to_rollout: one train slot becomes a rollout slot; to_train: the reverse."""
+    action: Literal["hold", "to_rollout", "to_train", "lend", "reclaim"]
+    """to_rollout: one train slot becomes a rollout slot; to_train: the reverse; lend: one more train
+    slot lends its engine (`reflow.policy.lending`); reclaim: one fewer does."""
     rollout_slots: int
     train_slots: int
     """The target split (the current one when holding)."""
@@ -294,6 +337,8 @@ class ElasticDecision:
     throughput_target: float
     """T at the current and the target split (`unit` per second)."""
     reason: str
+    lent_slots: int = 0
+    """The target number of lending train slots (the current one unless lending or reclaiming)."""
 
     @property
     def moves(self) -> bool:
@@ -313,41 +358,97 @@ class ElasticPolicy:
         self.last_move_version: int | None = None
 
     def best_split(self, obs: ElasticObservation) -> tuple[int, int]:
-        """The split with the highest T within the slot minimums; ties go to the current split's side."""
+        """The split with the highest T (no slot lending) within the slot minimums; ties go to the
+        current split's side."""
         low, high = self.cfg.min_rollout, obs.slots - self.cfg.min_train
         if low > high:
             return obs.rollout_slots, obs.train_slots
         candidates = range(low, high + 1)
         best = max(
             candidates,
-            key=lambda n: (throughput(obs, n, obs.slots - n), -abs(n - obs.rollout_slots)),
+            key=lambda n: (self.throughput(obs, n, obs.slots - n), -abs(n - obs.rollout_slots)),
         )
         return best, obs.slots - best
 
+    def throughput(
+        self, obs: ElasticObservation, rollout_slots: int, train_slots: int, lent: int = 0
+    ) -> float:
+        """T at a split with `lent` train slots lending (`reflow.policy.lending.lent_throughput`), the
+        trainer's rate taken without the slowdown a lent engine beside it put in the measurement."""
+        return lent_throughput(
+            rollout_slots,
+            train_slots,
+            lent,
+            rollout_rate=obs.rollout_rate,
+            train_rate=unlent_train_rate(obs.train_rate, obs.lent_slots, self.cfg.lend_overhead),
+            reuse=obs.reuse,
+            overhead=self.cfg.lend_overhead,
+        )
+
     def decide(self, obs: ElasticObservation) -> ElasticDecision:
-        cfg = self.cfg
+        """Hold, move one slot, or lend or reclaim one (module docstring; `reflow.policy.lending`). A
+        move is weighed from the split with no slot lending (a lending slot's engine is reclaimed
+        first, at this boundary, and the move comes at a later one); when both a move and a lend
+        pay, the larger gain net of margin x cost wins (a lend costs nothing but its slowdown)."""
         if self.last_version is not None and obs.version < self.last_version:
             raise ValueError(f"policy version went backwards: {obs.version} after {self.last_version}")
         self.last_version = obs.version
-        n, m = obs.rollout_slots, obs.train_slots
-        now = throughput(obs, n, m)
-
-        def hold(reason: str, gain: float = 0.0, cost: float = 0.0, target: float = now) -> ElasticDecision:
-            return ElasticDecision("hold", n, m, gain, cost, now, target, reason)
-
+        n, m, lent = obs.rollout_slots, obs.train_slots, obs.lent_slots
+        now = self.throughput(obs, n, m, lent)
         state = (
             f"split {n} rollout + {m} train; r={obs.rollout_rate:g} {obs.unit}/s/slot x reuse "
             f"{obs.reuse:g}, t={obs.train_rate:g} {obs.unit}/s/slot; idle rollout {obs.rollout_idle:.0%} "
             f"train {obs.train_idle:.0%}; {obs.fresh_waiting} fresh groups waiting, {obs.in_flight} in flight"
         )
+        if obs.lendable_slots:
+            state += f"; {lent} of {obs.lendable_slots} train slots lending"
         if self.last_move_version == obs.version:
-            return hold(f"already moved a slot at version {obs.version}; {state}")
-        if n < cfg.min_rollout or m < cfg.min_train:
+            return ElasticDecision(
+                "hold",
+                n,
+                m,
+                0.0,
+                0.0,
+                now,
+                now,
+                f"already moved a slot at version {obs.version} (or lent or reclaimed one); {state}",
+                lent,
+            )
+        if n < self.cfg.min_rollout or m < self.cfg.min_train:
             raise ValueError(
-                f"split {n} rollout + {m} train is below the minimums {cfg.min_rollout} + {cfg.min_train}"
+                f"split {n} rollout + {m} train is below the minimums {self.cfg.min_rollout} + "
+                f"{self.cfg.min_train}"
             )
         if obs.rollout_rate <= 0 or obs.train_rate <= 0:
-            return hold(f"no rate measured yet on both sides; {state}")
+            return ElasticDecision(
+                "hold", n, m, 0.0, 0.0, now, now, f"no rate measured yet on both sides; {state}", lent
+            )
+        move = self._move(obs, now, state)
+        lending = self._lending(obs, now, state)
+        margin = self.cfg.margin
+        if move.moves and (lending is None or move.gain_s - margin * move.cost_s >= lending.gain_s):
+            decision = move
+            if lent:  # the move needs every engine on its slots reclaimed first
+                decision = replace(
+                    move, action="reclaim", rollout_slots=n, train_slots=m, lent_slots=lent - 1,
+                    reason=f"reclaim a lent engine first, then {move.reason}",
+                )  # fmt: skip
+        elif lending is not None:
+            decision = lending
+        else:
+            decision = move
+        if decision.moves:
+            self.last_move_version = obs.version
+        return decision
+
+    def _move(self, obs: ElasticObservation, now: float, state: str) -> ElasticDecision:
+        """One slot changing role, or a hold that says why not (the role-change model above)."""
+        cfg = self.cfg
+        n, m, lent = obs.rollout_slots, obs.train_slots, obs.lent_slots
+
+        def hold(reason: str, gain: float = 0.0, cost: float = 0.0, target: float = now) -> ElasticDecision:
+            return ElasticDecision("hold", n, m, gain, cost, now, target, reason, lent)
+
         best_n, _ = self.best_split(obs)
         if best_n == n:
             return hold(f"the current split is the best the model sees (T={now:.3g} {obs.unit}/s); {state}")
@@ -359,10 +460,10 @@ class ElasticPolicy:
             action, n2, m2, cost_obs = "to_train", n - 1, m + 1, obs.to_train_cost
             guard_ok = obs.rollout_idle >= obs.train_idle
             guard = "rollout idles less than the trainer"
-        target = throughput(obs, n2, m2)
+        target = self.throughput(obs, n2, m2)
         cost = cost_obs.total_s if cost_obs is not None else cfg.initial_change_cost_s
         cost_src = "measured" if cost_obs is not None else "assumed"
-        step_now, step_new = step_seconds(obs, n, m), step_seconds(obs, n2, m2)
+        step_now, step_new = _seconds(obs.batch_size, now), _seconds(obs.batch_size, target)
         gain = cfg.horizon_steps * (step_now - step_new)
         move = (
             f"{action} ({n2} rollout + {m2} train): step {step_now:.3g} s -> {step_new:.3g} s, "
@@ -383,8 +484,39 @@ class ElasticPolicy:
             return hold(
                 f"idle ratios disagree with the rate model ({guard}): {move}; {state}", gain, cost, target
             )
-        self.last_move_version = obs.version
-        return ElasticDecision(action, n2, m2, gain, cost, now, target, f"{move}; {state}")
+        return ElasticDecision(action, n2, m2, gain, cost, now, target, f"{move}; {state}", lent)
+
+    def _lending(self, obs: ElasticObservation, now: float, state: str) -> ElasticDecision | None:
+        """One more (or one fewer) train slot lending its engine when that lifts T by more than
+        `lend_min_gain`, the idle ratios agree (lend: the trainer idles at least as much as rollout;
+        reclaim: the reverse) and the last change is `min_dwell_steps` old; None when neither does."""
+        n, m, lent = obs.rollout_slots, obs.train_slots, obs.lent_slots
+        options = []
+        if obs.steps_since_change < self.cfg.min_dwell_steps:
+            return None  # a change (a move, a lend or a reclaim) needs its dwell, measured at its split
+        if lent < obs.lendable_slots and obs.train_idle >= obs.rollout_idle:
+            options.append(("lend", lent + 1))
+        if lent > 0 and obs.rollout_idle >= obs.train_idle:
+            options.append(("reclaim", lent - 1))
+        best = None
+        for action, lent2 in options:
+            target = self.throughput(obs, n, m, lent2)
+            if not relative_gain(now, target) > self.cfg.lend_min_gain:
+                continue
+            step_now, step_new = _seconds(obs.batch_size, now), _seconds(obs.batch_size, target)
+            gain = self.cfg.horizon_steps * (step_now - step_new)
+            why = (
+                f"{action} ({lent2} of {obs.lendable_slots} train slots lending): T {now:.3g} -> "
+                f"{target:.3g} {obs.unit}/s (+{relative_gain(now, target):.0%} > "
+                f"{self.cfg.lend_min_gain:.0%}), step {step_now:.3g} s -> {step_new:.3g} s; {state}"
+            )
+            if best is None or gain > best.gain_s:
+                best = ElasticDecision(action, n, m, gain, 0.0, now, target, why, lent2)  # type: ignore[arg-type]
+        return best
+
+
+def _seconds(batch_size: float, rate: float) -> float:
+    return batch_size / rate if rate > 0 else math.inf
 
 
 def decision_event(decision: ElasticDecision, obs: ElasticObservation) -> dict[str, Any]:
@@ -401,6 +533,7 @@ def decision_event(decision: ElasticDecision, obs: ElasticObservation) -> dict[s
         "cost_s": decision.cost_s,
         "throughput_now": decision.throughput_now,
         "throughput_target": decision.throughput_target,
+        "lent_slots": decision.lent_slots,
         "rollout_rate": obs.rollout_rate,
         "train_rate": obs.train_rate,
         "rollout_idle": obs.rollout_idle,

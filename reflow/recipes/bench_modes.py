@@ -8,7 +8,8 @@ seeds; a Markdown table and PNG plots of what each mode buys.
 Rows: sync, async and reflow always; `--ablations` adds one part switched on or off (`ABLATIONS`):
 `sync-tail` (sync with the tail scheduler: over-provisioning and partial rollouts), `reflow-static`
 (the dual replay cycle only: static slots, no tail scheduler) and `reflow-no-tail` (the elastic pool
-on, the tail scheduler off), so each part shows its own share of the gain. `--rows` adds rows of your own, each `NAME=KEY=VALUE[,KEY=VALUE...]`: a name (letters,
+on, the tail scheduler off) and `reflow-lend` (an engine lent beside the trainer rank while it
+waits), so each part shows its own share of the gain. `--rows` adds rows of your own, each `NAME=KEY=VALUE[,KEY=VALUE...]`: a name (letters,
 digits, `.`, `_`, `-`), then config overrides separated by commas (a comma inside a value, as in
 `resources.slots=[rollout,train]`, stays in it: a new override starts only where `KEY=` follows).
 The row's mode is its `mode=` override, reflow when it has none; a sync or async row starts from the
@@ -60,6 +61,7 @@ ABLATIONS: dict[str, tuple[str, list[str]]] = {
     "sync-tail": ("sync", ["elastic.enabled=null", "tail.enabled=true"]),
     "reflow-static": ("reflow", ["elastic.enabled=false", "tail.enabled=false"]),
     "reflow-no-tail": ("reflow", ["tail.enabled=false"]),
+    "reflow-lend": ("reflow", ["elastic.lend=true"]),
 }
 """Rows with one part switched on or off: row name -> (mode, config overrides)."""
 ROWS = (*MODES, *ABLATIONS)

@@ -25,7 +25,15 @@ from reflow.recipes.bench_stats import (
 )
 from reflow.recipes.run_log import eval_kind, time_to_target
 
-COUNTS = ("role_changes", "role_change_s", "tail_over_provisioned", "tail_carried_over", "tail_migrations")
+COUNTS = (
+    "role_changes",
+    "role_change_s",
+    "tail_over_provisioned",
+    "tail_carried_over",
+    "tail_migrations",
+    "lent_busy_s",
+    "lent_yields",
+)
 """Summary counters of the elastic pool and the tail scheduler (0 in runs that predate them)."""
 RATES = {
     "new tok/s": "new_trained_tokens_per_s",
@@ -99,7 +107,7 @@ def table(results: list[dict[str, Any]], targets: dict[str, float] | None, budge
         "final held-out", *RATES, "gen tok/s", "held-out at budget (curve)", "start", "rollout idle",
         "trainer idle", "staleness mean", "reuse (mean uses/group)", "IS w mean", "IS w max",
         "masked frac", "steps", "role changes", "role change s", "over-provisioned", "carried over",
-        "migrations",
+        "migrations", "lent s", "lent yields",
     ]  # fmt: skip
     columns = ["mode", "seeds", *head, *tail]
     rows = [

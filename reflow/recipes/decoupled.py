@@ -28,7 +28,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -37,81 +37,16 @@ from reflow.config import RunConfig
 from reflow.policy.dual_cycle import AdmissionControl, ReplayShare
 from reflow.policy.tail import QUANTILE_WINDOW, TailPolicy
 from reflow.recipes.checkpoints import after_step
+from reflow.recipes.loop_counters import Arrivals, BusyClock
 from reflow.recipes.run_log import RunLog, step_record
 from reflow.recipes.run_state import Clock, RunState, next_seeds, out_of_time, steps_left, took_step
 from reflow.recipes.weight_sync import WeightPusher
 from reflow.runtime.cluster import Cluster
 from reflow.runtime.elastic import ElasticDriver, moved_positions
+from reflow.runtime.lending import LentEngines
 from reflow.runtime.replay_service import PlannedBatch, cycle_config
 from reflow.runtime.tail import GroupInFlight, TailGate, TailRuntime
 from reflow.runtime.workers import GroupReport
-
-
-class BusyClock:
-    """Busy time of each rollout worker: from its first group in flight to its last one done."""
-
-    def __init__(self, n: int) -> None:
-        self.in_flight, self.since, self.busy = [0] * n, [0.0] * n, 0.0
-
-    def start(self, worker: int) -> None:
-        if self.in_flight[worker] == 0:
-            self.since[worker] = time.monotonic()
-        self.in_flight[worker] += 1
-
-    def done(self, worker: int) -> None:
-        self.in_flight[worker] -= 1
-        if self.in_flight[worker] == 0:
-            self.busy += time.monotonic() - self.since[worker]
-
-    def total(self) -> float:
-        now = time.monotonic()
-        return self.busy + sum(now - s for s, n in zip(self.since, self.in_flight, strict=True) if n)
-
-    def remove(self, worker: int) -> None:
-        """The worker left (a role change): its busy time so far stays counted."""
-        if self.in_flight[worker]:
-            self.busy += time.monotonic() - self.since[worker]
-        del self.in_flight[worker], self.since[worker]
-
-    def insert(self, worker: int) -> None:
-        """A worker joined at position `worker`, idle."""
-        self.in_flight.insert(worker, 0)
-        self.since.insert(worker, 0.0)
-
-
-@dataclass
-class Arrivals:
-    """The groups that arrived: reports since the last step, groups with spread so far, durations."""
-
-    accepted: int
-    reports: list[GroupReport] = field(default_factory=list)
-    seconds: list[float] = field(default_factory=list)
-    """How long each group took (the budget's estimate, the tail's quantiles)."""
-    episode_seconds: list[float] = field(default_factory=list)
-    episodes: int = 0
-
-    def add_durations(self, group_s: list[float], episode_s: list[float]) -> None:
-        """Durations measured before a resume (no group arrives with them)."""
-        self.seconds += group_s
-        self.episode_seconds += episode_s
-        self._seconds_sum += sum(group_s)
-
-    def add(self, new: list[GroupReport]) -> None:
-        self.reports += new
-        self.accepted += sum(r.has_spread for r in new)
-        self.seconds += [r.seconds for r in new]
-        self.episode_seconds += [s for r in new for s in r.episode_seconds]
-        self._seconds_sum += sum(r.seconds for r in new)
-        self.episodes += sum(len(r.rewards) for r in new)
-
-    @property
-    def mean_seconds(self) -> float:
-        """Mean group duration so far (0 before the first), kept as a running sum: the loop asks
-        for it before every launch."""
-        return self._seconds_sum / len(self.seconds) if self.seconds else 0.0
-
-    def __post_init__(self) -> None:
-        self._seconds_sum = sum(self.seconds)
 
 
 @dataclass
@@ -138,19 +73,26 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
     weights = WeightPusher(cluster, state.version)
     rollouts: dict[Any, GroupInFlight] = {}  # object ref of a group in flight -> its worker, since when
     workers = BusyClock(len(cluster.rollout))
+    # lending: engines beside the trainer ranks take groups while no step runs (`LentEngines`)
+    lent = LentEngines(cluster, per_worker, config.replay.eta) if cluster.lent else None
     elastic = (
-        ElasticDriver(cluster, config, state, clock.now()) if config.elastic.active(config.mode) else None
+        ElasticDriver(cluster, config, state, clock.now(), lent)
+        if config.elastic.active(config.mode)
+        else None
     )
     tail = TailGate(
         _tail_policy(config), B, per_worker, config.rollout.group_size, _tail_runtime(cluster, config)
     )
-    busy_before = state.rollout_busy_s
+    busy_before, lent_before = state.rollout_busy_s, (state.lent_busy_s, state.lent_yields)
     uses = ray.get(cluster.replay.reuse_histogram.remote(spread=True))  # groups with spread, by uses
     got = Arrivals(accepted=sum(uses.values()))
     _log_events(log, state, "tail", _restore(state.scheduler, share, elastic, tail, got))
 
     def saved() -> dict[str, Any]:  # what a checkpoint keeps of the adaptive parts
         return _scheduler_state(cluster, share, elastic, tail, got)
+
+    def in_flight() -> int:  # groups generating, on rollout workers and lent engines
+        return len(rollouts) + (lent.in_flight if lent else 0)
 
     trained = {state.version: got.accepted - uses.get(0, 0)}  # version -> fresh groups trained by then
     step: StepInFlight | None = None
@@ -165,10 +107,14 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
         # done) and where; in its tail, stragglers migrate, freed engines take the next batch's
         # groups (as admission allows) and engine concurrency limits follow their measured knee
         confirmed = weights.confirmed
-        room = admission.room(confirmed, got.accepted, len(rollouts), trained[confirmed])
-        in_flight = list(rollouts.values())
+        room = admission.room(confirmed, got.accepted, in_flight(), trained[confirmed])
         gate = tail.look(
-            fresh, in_flight, workers.in_flight, time.monotonic(), room, weights.versions.confirmed
+            fresh,
+            list(rollouts.values()),
+            workers.in_flight,
+            time.monotonic(),
+            room,
+            weights.versions.confirmed,
         )
         _log_events(log, state, "tail", gate.events)
         state.tail_migrations += gate.migrations
@@ -178,21 +124,37 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
             can_step
             and gate.allows()
             and (w := gate.worker()) is not None
-            and admission.may_start(confirmed, got.accepted, len(rollouts), trained[confirmed])
+            and admission.may_start(confirmed, got.accepted, in_flight(), trained[confirmed])
             and not out_of_time(budget, now, got.mean_seconds + step_s)
         ):
             state.tail_over_provisioned += gate.take(w)
-            ref, group = _launch(cluster, w, weights.versions.confirmed[w], state)
+            ref, group = _launch(cluster, cluster.rollout[w], w, weights.versions.confirmed[w], state)
             rollouts[ref] = group
             workers.start(w)
-        # train: start a step when a batch can be planned; the groups still running carry over
+        # train: start a step when a batch can be planned (lent engines yield first); the groups
+        # still running carry over
         if step is None and can_step:
-            step = _start_step(cluster, config, state, share, time.monotonic() - waiting_since)
-            if step is not None and tail.policy is not None and rollouts:
-                _carry_over(log, state, step, len(rollouts))
-        if step is None and (not can_step or not (rollouts or weights.refs)):
+            yield_lent = (
+                (lambda: _log_events(log, state, "elastic", lent.pause(state.version))) if lent else None
+            )
+            step = _start_step(cluster, config, state, share, time.monotonic() - waiting_since, yield_lent)
+            if step is not None and tail.policy is not None and in_flight():
+                _carry_over(log, state, step, in_flight())
+        if lent is not None and step is None:  # the trainer waits: its lent engines generate
+            lent.resume()
+            while (  # extra capacity: what admission leaves beyond the gate's starts (not the gate's)
+                can_step
+                and (e := lent.free()) is not None
+                and admission.may_start(confirmed, got.accepted, in_flight(), trained[confirmed])
+                and not out_of_time(budget, now, got.mean_seconds + step_s)
+            ):
+                version = weights.versions.confirmed[len(cluster.rollout) + e]
+                ref, _ = _launch(cluster, cluster.lent[e], e, version, state)
+                lent.started(ref, e, version)
+        if step is None and (not can_step or not (in_flight() or weights.refs)):
             break  # no step running, and none can start or get data
-        pending = [*rollouts, *weights.refs, *([step.refs[0]] if step else [])]
+        lent_refs = list(lent.groups) if lent else []
+        pending = [*rollouts, *lent_refs, *weights.refs, *([step.refs[0]] if step else [])]
         ready, _ = ray.wait(pending, num_returns=1, timeout=tail.wake_s(len(rollouts)))
         weights.collect(ready)  # sync weights: record confirmed versions, start due pushes
         for ref in ready:
@@ -209,15 +171,22 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
             elif ref in rollouts:
                 workers.done(rollouts.pop(ref).worker)
                 got.add(ray.get(ref))
+            elif lent is not None and lent.done(ref):
+                got.add(ray.get(ref), timed=False)  # its durations include steps it waited paused
         if len(got.seconds) != tail.observed:  # groups arrived: the tail's quantiles move
             tail.observe(got.seconds, got.episode_seconds)
         state.rollout_busy_s = busy_before + workers.total()
+        if lent is not None:
+            state.lent_busy_s, state.lent_yields = (
+                lent_before[0] + lent.busy_s(),
+                lent_before[1] + lent.pauses,
+            )
     # The run's final checkpoint (after the loop) keeps the state the run ended with: a run that ends
     # on its time budget may have written no periodic checkpoint since its last changes, or none.
     state.scheduler = saved()
     _log_events(log, state, "tail", tail.close(time.monotonic()))  # migrations measured since
-    for ref in rollouts:  # the run is over: groups still in flight are not waited for
-        with contextlib.suppress(Exception):
+    for ref in [*rollouts, *(lent.groups if lent else ())]:  # the run is over: groups still in
+        with contextlib.suppress(Exception):  # flight are not waited for
             ray.cancel(ref)
     weights.wait_all()  # the final evaluation and checkpoint see engines on the last weights
 
@@ -293,18 +262,27 @@ def _elastic_boundary(
     got.add(change.drained)
 
 
-def _launch(cluster: Cluster, worker: int, version: int, state: RunState) -> tuple[Any, GroupInFlight]:
-    """Start one group on `worker`, registered in flight with the version its engine confirmed."""
+def _launch(
+    cluster: Cluster, actor: Any, worker: int, version: int, state: RunState
+) -> tuple[Any, GroupInFlight]:
+    """Start one group on `actor` (at position `worker`), registered in flight with the version its
+    engine confirmed."""
     group_id = uuid.uuid4().hex
     ray.get(cluster.replay.begin_group.remote(group_id, version))
-    ref = cluster.rollout[worker].generate.remote(next_seeds(state, 1), [group_id])
+    ref = actor.generate.remote(next_seeds(state, 1), [group_id])
     return ref, GroupInFlight(worker, group_id, time.monotonic())
 
 
 def _start_step(
-    cluster: Cluster, config: RunConfig, state: RunState, share: ReplayShare | None, wait_s: float
+    cluster: Cluster,
+    config: RunConfig,
+    state: RunState,
+    share: ReplayShare | None,
+    wait_s: float,
+    before: Callable[[], None] | None = None,
 ) -> StepInFlight | None:
-    """Plan a batch (fresh first; replay fills in reflow mode) and start the step, or None to wait."""
+    """Plan a batch (fresh first; replay fills in reflow mode) and start the step, or None to wait.
+    `before`: called once the batch is planned, before the step starts (lent engines yield)."""
     plan = ray.get(
         cluster.replay.plan_and_consume.remote(
             config.rollout.groups_per_step,
@@ -316,6 +294,8 @@ def _start_step(
     )
     if plan is None:
         return None
+    if before is not None:
+        before()
     return StepInFlight(
         cluster.start_train_step(plan.group_ids, state.step + 1), plan, wait_s, time.monotonic()
     )

@@ -316,6 +316,8 @@ def run_summary(
         "tail_over_provisioned": state.tail_over_provisioned,
         "tail_carried_over": state.tail_carried_over,
         "tail_migrations": state.tail_migrations,
+        "lent_busy_s": state.lent_busy_s,
+        "lent_yields": state.lent_yields,
         "groups_quarantined": state.groups_quarantined,
         **headroom_summary(state.headroom),
     }

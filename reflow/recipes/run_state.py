@@ -66,6 +66,10 @@ class RunState:
     """Groups still generating when a step started on the first B done: they carry over."""
     tail_migrations: int = 0
     """Episodes migrated to another engine (consolidation)."""
+    lent_busy_s: float = 0.0
+    """Summed over the engines lent beside the trainer ranks (`elastic.lend`): time generating."""
+    lent_yields: int = 0
+    """Step starts at which a lent engine yielded its slot to the trainer (its requests aborted)."""
     lineage: int = 0
     """The replay store's lineage of these weights: a resumed run forks a new one from its
     checkpoint's (`ReplayStore.start_lineage`), so no (lineage, version) names two weight sets."""

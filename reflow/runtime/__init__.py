@@ -6,7 +6,8 @@ together, and the drivers that run the scheduling policies (`reflow.policy`) on 
 - `workers`: `RolloutWorker` (an engine and env instances); `trainer_rank`: `TrainerRank`; `engines`:
   which engine a worker builds; `worker_tail`: a worker's side of the tail (progress, migrations, limits).
 - `replay_service`: the replay store as an actor.
-- `elastic`: `ElasticDriver` and `ElasticRuntime`, the elastic policy at each version boundary.
+- `elastic`: `ElasticDriver` and `ElasticRuntime`, the elastic policy at each version boundary;
+  `lending`: `LentEngines`, the engines lent beside the trainer ranks (`elastic.lend`).
 - `tail`: `TailGate` and `TailRuntime`, the tail policy before the loop starts groups.
 - `actuator`: `RayActuator`, the `reflow.policy.actuator.Actuator` that applies decisions to actors.
 """

@@ -4,6 +4,8 @@
   worker with the fewest groups in flight drains (`worker_to_drain`; its groups in flight, from
   `in_flight`, are waited for); towards rollout, the last train slot leaves the trainer group. Every
   applied change is kept in `changes` (the loop re-indexes its per-worker state from the last one).
+- `lend`: how many of the engines beside the trainer ranks take groups (`LentEngines.lending`,
+  `reflow.runtime.lending`); refused when lending is off.
 - `migrate`, `free_engine`, `set_concurrency`: through the tail runtime
   (`reflow.runtime.tail.TailRuntime`), which asks the rollout workers; without one (the tail's
   per-episode actions switched off) they are refused, and logged as not applied.
@@ -37,6 +39,8 @@ class RayActuator:
 
     def __init__(self, cluster: Any, tail: Any = None, drain_timeout_s: float | None = None) -> None:
         self.cluster, self.tail, self.drain_timeout_s = cluster, tail, drain_timeout_s
+        self.lent: Any = None
+        """The loop's `reflow.runtime.lending.LentEngines` (None: lending is off)."""
         self.in_flight: Mapping[Any, tuple[int, Sequence[str]]] = {}
         """The loop's groups in flight (object ref of a `generate` call -> its worker's position in
         `cluster.rollout`, the group ids registered for it); the elastic runtime sets it before asking."""
@@ -55,6 +59,12 @@ class RayActuator:
             change = self.cluster.move("train", "rollout")
         self.changes.append(change)
         return change.cost
+
+    def lend(self, decision: ElasticDecision) -> dict[str, Any]:
+        if self.lent is None:
+            return {"applied": False, "error": "no engine to lend (elastic.lend is off)"}
+        self.lent.lending = decision.lent_slots
+        return {"applied": True}
 
     def migrate(self, action: Migrate) -> dict[str, Any]:
         if self.tail is None:

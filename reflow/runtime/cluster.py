@@ -124,6 +124,11 @@ class Cluster:
             slot.actor = self.place(slot, slot.role, rank=len(self.trainers), world_size=n_train)
         master = ray.get(self.trainers[0].master_address.remote()) if n_train > 1 else None
         ray.get([t.setup.remote(master) for t in self.trainers])
+        self.lent: list[Any] = []
+        """With `elastic.lend`: a rollout engine beside each trainer rank, in rank order, that the
+        decoupled loop gives groups while the trainer waits (`reflow.runtime.lending`)."""
+        if config.elastic.lend:
+            self.lent = [self.place_lent(slot) for slot in self.train_slots]
 
     # -- slots and roles --------------------------------------------------------------------------
 
@@ -164,6 +169,29 @@ class Cluster:
         if role == "rollout":
             return actor.remote(self.config, self.model_path, self.replay, slot.index)
         return actor.remote(self.config, self.model_path, self.replay, rank, world_size)
+
+    def place_lent(self, slot: Slot) -> Any:
+        """A rollout worker beside `slot`'s trainer rank, on the slot's resources (it reserves none of
+        its own: it generates only while the trainer waits). Its index follows the slots' so its
+        engine name and weight folder are its own."""
+        from ray.util.scheduling_strategies import (
+            NodeAffinitySchedulingStrategy,
+            PlacementGroupSchedulingStrategy,
+        )
+
+        if slot.bundle is not None:
+            strategy: Any = PlacementGroupSchedulingStrategy(
+                placement_group=slot.bundle[0], placement_group_bundle_index=slot.bundle[1]
+            )
+        else:
+            strategy = NodeAffinitySchedulingStrategy(ray.get(slot.actor.node_id.remote()), soft=False)
+        actor = ray.remote(RolloutWorker).options(num_cpus=0, scheduling_strategy=strategy)
+        return actor.remote(self.config, self.model_path, self.replay, len(self.slots) + slot.index)
+
+    @property
+    def engines(self) -> list[Any]:
+        """Every engine that generates for the run: the rollout workers, then the lent engines."""
+        return [*self.rollout, *self.lent]
 
     def move(
         self,
@@ -248,10 +276,10 @@ class Cluster:
     def shutdown(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
-        for worker in self.rollout:
+        for worker in self.engines:
             with contextlib.suppress(Exception):  # a dead worker has nothing left to close
                 ray.get(worker.close.remote(), timeout=10)
-        for actor in [*(s.actor for s in self.slots if s.actor is not None), self.replay]:
+        for actor in [*(s.actor for s in self.slots if s.actor is not None), *self.lent, self.replay]:
             ray.kill(actor)
         for pg in self.groups.values():
             with contextlib.suppress(Exception):

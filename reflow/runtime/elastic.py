@@ -35,6 +35,7 @@ from reflow.policy.elastic import (
 from reflow.runtime.actuator import RayActuator
 
 if TYPE_CHECKING:
+    from reflow.runtime.lending import LentEngines
     from reflow.runtime.role_change import RoleChange
     from reflow.runtime.tail import GroupInFlight
 
@@ -84,6 +85,7 @@ class ElasticRuntime:
         hold); after a change the driver re-indexes its per-worker state (`cluster.rollout` changed),
         drops the drained refs from its own table and counts `change.drained` as arrived."""
         in_flight = dict(in_flight or {})
+        lent = self.actuator.lent
         obs = observe(
             interval,
             step=step,
@@ -98,9 +100,15 @@ class ElasticRuntime:
             to_rollout_cost=self.costs["to_rollout"],
             to_train_cost=self.costs["to_train"],
             unit=self.unit,
+            lent_slots=lent.lending if lent is not None else 0,
+            lendable_slots=len(self.cluster.lent),
         )
         decision = self.policy.decide(obs)
         event = decision_event(decision, obs)
+        if decision.action in ("lend", "reclaim"):
+            event.update(self.actuator.lend(decision))
+            self.last_change_step = step  # the next change waits its dwell, measured at this split
+            return event, None
         if not decision.moves:
             return event, None
         self.actuator.in_flight = in_flight  # what a drain waits for, held for this move only: refs
@@ -118,16 +126,20 @@ class ElasticRuntime:
 class ElasticDriver:
     """The loop's side of the elastic pool: counters in, `ElasticRuntime.at_boundary` out."""
 
-    def __init__(self, cluster: Any, config: RunConfig, state: Any, now_s: float) -> None:
-        """`state`: the loop's `RunState` at the start, `now_s`: training seconds then."""
+    def __init__(
+        self, cluster: Any, config: RunConfig, state: Any, now_s: float, lent: LentEngines | None = None
+    ) -> None:
+        """`state`: the loop's `RunState` at the start, `now_s`: training seconds then; `lent`: the
+        loop's lent engines (lending on)."""
         self.group_size = config.rollout.group_size
         batch = config.rollout.groups_per_step * self.group_size
         policy = ElasticPolicy(config.elastic.policy_config())
         self.runtime = ElasticRuntime(
             cluster, policy, batch_size=batch, drain_timeout_s=policy.cfg.drain_timeout_s
         )
+        self.runtime.actuator.lent = self.lent = lent
         self.trained = 0.0  # episodes trained on (fresh and replayed; samples, the policy's unit)
-        self.then = Totals(now_s, state.rollout_busy_s, 0.0, state.trainer_busy_s, 0.0)
+        self.then = self._totals(state, now_s, 0.0)
 
     def stepped(self, groups: int) -> None:
         self.trained += groups * self.group_size
@@ -141,6 +153,7 @@ class ElasticDriver:
             "costs": {k: asdict(c) if c is not None else None for k, c in rt.costs.items()},
             "last_change_step": rt.last_change_step,
             "last_move_version": policy.last_move_version,
+            "lent": self.lent.state_dict() if self.lent is not None else None,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -148,6 +161,8 @@ class ElasticDriver:
         rt.costs = {k: RoleChangeCost(**c) if c is not None else None for k, c in state["costs"].items()}
         rt.last_change_step = int(state["last_change_step"])
         rt.policy.last_move_version = state["last_move_version"]
+        if self.lent is not None and state.get("lent"):
+            self.lent.load_state_dict(state["lent"])
 
     def at_boundary(
         self,
@@ -161,7 +176,7 @@ class ElasticDriver:
     ) -> tuple[dict[str, Any], RoleChange | None]:
         """Decide (and apply) at this boundary from the interval since the last one (`state`: the
         loop's `RunState`; `generated`: episodes arrived since the loop started)."""
-        now = Totals(now_s, state.rollout_busy_s, generated, state.trainer_busy_s, self.trained)
+        now = self._totals(state, now_s, generated)
         interval, self.then = Interval.between(self.then, now), now
         return self.runtime.at_boundary(
             interval,
@@ -171,3 +186,7 @@ class ElasticDriver:
             fresh_waiting=fresh_waiting,
             in_flight={ref: (g.worker, [g.group_id]) for ref, g in in_flight.items()},
         )
+
+    def _totals(self, state: Any, now_s: float, generated: float) -> Totals:
+        lent_s = self.lent.busy_s() if self.lent is not None else 0.0
+        return Totals(now_s, state.rollout_busy_s, generated, state.trainer_busy_s, self.trained, lent_s)

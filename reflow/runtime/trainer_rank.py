@@ -141,6 +141,10 @@ class TrainerRank:
     def version(self) -> int:
         return self.trainer.version
 
+    def node_id(self) -> str:
+        """The Ray node this rank runs on (a lent engine is placed beside it)."""
+        return ray.get_runtime_context().get_node_id()
+
     def master_address(self) -> tuple[str, int]:
         """A free TCP port on this rank's node, for the process group rendezvous."""
         import socket

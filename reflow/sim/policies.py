@@ -130,6 +130,8 @@ class ElasticStep:
         )
         decision = self.policy.decide(obs)
         event = {"kind": "elastic", "t": counters.now, **decision_event(decision, obs)}
+        if decision.action in ("lend", "reclaim"):  # no lendable slot is observed: never asked yet
+            return {**event, **actuator.lend(decision)}
         if not decision.moves:
             return event
         self.changed_at = slots.step
@@ -301,6 +303,11 @@ class SimActuator:
             c.push(c.now + cost, "role_done", ("engine", tp))
         c.recount()
         return RoleChangeCost(actor_start_s=cost)
+
+    def lend(self, decision: ElasticDecision) -> dict[str, Any]:
+        """Lending is not modelled by the simulator yet (its scenarios keep lending off: no slot
+        is lendable, so the policy never asks); refused, and logged as not applied."""
+        return {"applied": False, "error": "the simulator does not model lending yet"}
 
     def migrate(self, action: Migrate) -> dict[str, Any]:
         """The sequence leaves its engine and lands on the target after re-prefilling its prefix."""

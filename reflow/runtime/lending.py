@@ -1,0 +1,149 @@
+"""Lending on Ray: the decoupled loop's side of the engines lent beside the trainer ranks.
+
+With `elastic.lend` the cluster places a rollout worker beside each trainer rank (`Cluster.lent`, on
+the rank's slot, reserving nothing of its own). `LentEngines` is what the loop keeps of them:
+
+- which of them lend now (`lending`, the elastic policy's l: `lend`/`reclaim` decisions set it;
+  every lendable engine lends from the start, and the policy reclaims where lending does not pay);
+- their groups in flight, started only while no train step runs, under the same admission control
+  and time budget as the rollout workers' (the loop counts both); not under the tail gate, whose
+  B + delta is the rollout workers' share of a batch: a lent engine is capacity beyond it (mostly
+  the next batch's groups, started early), and its groups are paused through the steps anyway;
+- `pause` at a step's start: the engines' requests are aborted (their tokens kept) before the trainer
+  computes, so the step has the slot within one decode step; an engine whose oldest group is past
+  the staleness bound runs on instead (`reflow.policy.lending.lent_engine_yields`, asked at every
+  step start, paused engines too); `resume` when the trainer waits for a batch again: the paused
+  episodes resubmit their prefixes on the engine's weights of then (per-token versions, as any
+  partial rollout);
+- their generating seconds (`busy_s`: a group in flight and not paused), the elastic policy's lent
+  busy time and the slot's generation time.
+
+A reclaimed engine takes no new group; the groups it has run on while the trainer waits. Its weights
+reach it through the loop's `WeightPusher` like any engine's (`Cluster.engines`): with one trainer
+rank on CPU that is a copy through Ray's shared-memory object store, not an in-place share.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+
+from reflow.policy.lending import lent_engine_yields
+
+
+class LentEngines:
+    """See the module docstring. `per_engine`: groups a lent engine runs at once; `eta`: the staleness
+    bound (versions) past which a lent group runs on through a step."""
+
+    def __init__(self, cluster: Any, per_engine: int, eta: int, lending: int | None = None) -> None:
+        self.cluster, self.per_engine, self.eta = cluster, per_engine, eta
+        n = len(cluster.lent)
+        self.lending = n if lending is None else lending
+        self.groups: dict[Any, tuple[int, int]] = {}  # object ref -> (lent engine, version started on)
+        self.paused: set[int] = set()
+        self._since: list[float | None] = [None] * n  # generating since (None: idle or paused)
+        self._busy = 0.0
+        self.pauses = 0
+        """Step starts at which at least one lent engine yielded."""
+        self.ran_on = 0
+        """Step starts at which a lent engine ran on past the staleness bound."""
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.groups)
+
+    def loads(self) -> list[int]:
+        counts = [0] * len(self.cluster.lent)
+        for engine, _ in self.groups.values():
+            counts[engine] += 1
+        return counts
+
+    def free(self) -> int | None:
+        """A lending engine with room for one more group (the least loaded), or None. The loop asks
+        only while no train step runs."""
+        loads = self.loads()
+        fits = [e for e in range(self.lending) if loads[e] < self.per_engine and e not in self.paused]
+        return min(fits, key=lambda e: (loads[e], e)) if fits else None
+
+    def started(self, ref: Any, engine: int, version: int) -> None:
+        """A group started on lent engine `engine` with the weights `version` its engine confirmed."""
+        self.groups[ref] = (engine, version)
+        if self._since[engine] is None and engine not in self.paused:
+            self._since[engine] = time.monotonic()
+
+    def done(self, ref: Any) -> bool:
+        """Whether `ref` was a lent group (it is forgotten; the loop takes its report)."""
+        if ref not in self.groups:
+            return False
+        engine, _ = self.groups.pop(ref)
+        if engine not in self._busy_engines():
+            self._stop_clock(engine)
+        return True
+
+    def _busy_engines(self) -> set[int]:
+        return {e for e, _ in self.groups.values()}
+
+    def pause(self, version: int) -> list[dict[str, Any]]:
+        """A step training `version` + 1 starts: every lent engine with groups yields (returns once
+        each has aborted its requests in flight), but one whose oldest group started more than `eta`
+        versions ago, which runs on beside the step; asked at every step start, so an engine kept
+        paused through back-to-back steps (a trainer that never waits) is resumed once its groups
+        reach the bound. Returns the events of engines that run on."""
+        oldest: dict[int, int] = {}
+        for engine, started in self.groups.values():
+            oldest[engine] = min(started, oldest.get(engine, started))
+        yielding, running_on, events = [], [], []
+        for engine in sorted(oldest):
+            if lent_engine_yields(oldest[engine], version, self.eta):
+                if engine not in self.paused:
+                    yielding.append(engine)
+                continue
+            running_on.append(engine)
+            self.ran_on += 1
+            events.append({
+                "what": "lent_runs_on",
+                "why": f"its oldest group started on version {oldest[engine]}, more than eta={self.eta} "
+                f"versions before {version}: it generates beside the step",
+                "engine": engine,
+            })  # fmt: skip
+        if yielding:
+            ray.get([self.cluster.lent[e].pause_episodes.remote() for e in yielding])
+            self.pauses += 1
+        for engine in yielding:
+            self._stop_clock(engine)
+            self.paused.add(engine)
+        self._resume([e for e in running_on if e in self.paused])
+        return events
+
+    def resume(self) -> None:
+        """The trainer waits: the paused engines' episodes resubmit, on the weights the engines have."""
+        self._resume(sorted(self.paused))
+
+    def _resume(self, engines: list[int]) -> None:
+        if not engines:
+            return
+        ray.get([self.cluster.lent[e].resume_episodes.remote() for e in engines])
+        self.paused.difference_update(engines)
+        busy = self._busy_engines()
+        for engine in engines:
+            if engine in busy:
+                self._since[engine] = time.monotonic()
+
+    def busy_s(self) -> float:
+        """Generating seconds so far, summed over the lent engines."""
+        now = time.monotonic()
+        return self._busy + sum(now - s for s in self._since if s is not None)
+
+    def _stop_clock(self, engine: int) -> None:
+        since = self._since[engine]
+        if since is not None:
+            self._busy += time.monotonic() - since
+            self._since[engine] = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"lending": self.lending}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.lending = min(int(state.get("lending", self.lending)), len(self.cluster.lent))

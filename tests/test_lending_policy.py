@@ -1,0 +1,174 @@
+"""Lending as arithmetic: the pipeline model with a lent engine, when the elastic policy lends, reclaims
+or moves a slot instead, and when a lent engine yields to a step."""
+
+from dataclasses import replace
+
+import pytest
+
+from reflow.policy.elastic import (
+    ElasticConfig,
+    ElasticObservation,
+    ElasticPolicy,
+    Interval,
+    RoleChangeCost,
+    observe,
+)
+from reflow.policy.lending import lent_engine_yields, lent_throughput, unlent_train_rate
+
+COST_4S = RoleChangeCost(actor_start_s=1.0, weight_load_s=2.0, group_reform_s=1.0)
+
+
+def two_slots(**kw) -> ElasticObservation:
+    # 1 rollout slot x 1.0 samples/s, 1 train slot x 2.0 samples/s, 4 samples per step: rollout-bound,
+    # the trainer waits half the time. T(1, 1) = 1 -> 4 s a step.
+    base = dict(
+        step=10,
+        version=10,
+        steps_since_change=10,
+        rollout_slots=1,
+        train_slots=1,
+        rollout_rate=1.0,
+        train_rate=2.0,
+        batch_size=4.0,
+        rollout_idle=0.0,
+        train_idle=0.5,
+        lendable_slots=1,
+    )
+    return ElasticObservation(**{**base, **kw})
+
+
+def policy(**kw) -> ElasticPolicy:
+    cfg = {"horizon_steps": 10, "margin": 2.0, "min_dwell_steps": 5, "lend": True, "lend_overhead": 0.1}
+    return ElasticPolicy(ElasticConfig(**{**cfg, **kw}))
+
+
+def test_a_lent_engine_adds_rollout_in_the_share_of_time_its_trainer_waits():
+    # T = u r (n + l) / (1 + u r l / (m t')): 1 x 2 / (1 + 1 / 2) = 4/3; the trainer is busy 2/3 of
+    # the time, so the lent engine generates 1/3 of the time at r = 1: 1 + 1/3.
+    assert lent_throughput(1, 1, 1, rollout_rate=1.0, train_rate=2.0) == pytest.approx(4 / 3)
+    assert lent_throughput(1, 1, 0, rollout_rate=1.0, train_rate=2.0) == 1.0  # no lending: min(n r, m t)
+    # beside a lent engine the trainer runs 10% slower: t' = 1.8, T = 2 / (1 + 1 / 1.8)
+    assert lent_throughput(1, 1, 1, rollout_rate=1.0, train_rate=2.0, overhead=0.1) == pytest.approx(
+        2 / (1 + 1 / 1.8)
+    )
+    # replay reuse multiplies what each generating second supplies
+    assert lent_throughput(1, 1, 1, rollout_rate=1.0, train_rate=2.0, reuse=2.0) == pytest.approx(2.0)
+    # a trainer-bound pipeline: lending cannot lift T past m t', and costs the slowdown
+    assert lent_throughput(2, 1, 1, rollout_rate=1.0, train_rate=1.0, overhead=0.1) == pytest.approx(0.9)
+    assert lent_throughput(2, 1, 0, rollout_rate=1.0, train_rate=1.0, overhead=0.1) == 1.0
+    with pytest.raises(ValueError, match="lending slots"):
+        lent_throughput(1, 1, 2, rollout_rate=1.0, train_rate=1.0)
+
+
+def test_the_trainer_rate_measured_beside_a_lent_engine_is_corrected_for_its_slowdown():
+    assert unlent_train_rate(1.8, 1, 0.1) == pytest.approx(2.0)
+    assert unlent_train_rate(1.8, 0, 0.1) == 1.8
+
+
+def test_lends_on_two_slots_where_no_move_is_possible():
+    d = policy().decide(two_slots())
+    # T 1 -> 2 / (1 + 1/1.8) = 1.286 (+29% >= 2%): step 4 s -> 3.11 s, over 10 steps 8.9 s
+    assert (d.action, d.rollout_slots, d.train_slots, d.lent_slots) == ("lend", 1, 1, 1)
+    assert d.throughput_now == 1.0 and d.throughput_target == pytest.approx(2 / (1 + 1 / 1.8))
+    assert d.gain_s == pytest.approx(10 * (4 - 4 / (2 / (1 + 1 / 1.8)))) and d.cost_s == 0.0
+    assert "lend (1 of 1 train slots lending)" in d.reason
+
+
+def test_no_lending_without_an_engine_to_lend_or_when_the_idle_ratios_disagree():
+    assert policy().decide(two_slots(lendable_slots=0)).action == "hold"
+    # rollout waits more than the trainer: the model's bottleneck is not what was measured
+    assert policy().decide(two_slots(rollout_idle=0.3, train_idle=0.1)).action == "hold"
+
+
+def test_reclaims_when_the_trainer_is_the_bottleneck():
+    # lending, measured: rollout 2 x 1.0 supplies more than the trainer's 1.8 (2.0 unlent): the lent
+    # engine only slows the trainer. T 1.8 -> 2.0 (+11%)
+    o = two_slots(rollout_slots=2, train_rate=1.8, lent_slots=1, rollout_idle=0.3, train_idle=0.0)
+    d = policy().decide(o)
+    assert (d.action, d.lent_slots) == ("reclaim", 0)
+    assert (d.throughput_now, d.throughput_target) == (pytest.approx(1.8), pytest.approx(2.0))
+
+
+def test_holds_when_lending_gains_less_than_the_minimum():
+    # the trainer barely waits: r = 1.95 against t' = 1.8 (2.0 unlent) is already trainer-bound
+    d = policy(lend_overhead=0.0, lend_min_gain=0.05).decide(two_slots(rollout_rate=1.9))
+    # T 1.9 -> min(1.9 x 2 / (1 + 1.9 / 2), 2) = 1.949 (+2.6% < 5%)
+    assert d.action == "hold"
+
+
+def four_slots(**kw) -> ElasticObservation:
+    # 2 rollout x 1.0 and 2 train x 3.0 samples/s, 6 samples a step: T(2, 2) = 2 -> 3 s a step.
+    # A move to (3, 1): T = 3 -> 2 s, gain 10 s over 10 steps against 4 s x margin 2 = 8 s: net 2 s.
+    # Lending one slot: t' = 2.7, T = 3 / (1 + 1 / 5.4) = 2.53 -> 2.37 s, gain 6.3 s at no cost.
+    base = dict(rollout_slots=2, train_slots=2, rollout_rate=1.0, train_rate=3.0, batch_size=6.0)
+    return two_slots(**{**base, "lendable_slots": 2, "to_rollout_cost": COST_4S, **kw})
+
+
+def test_lending_wins_over_a_move_whose_net_gain_is_smaller():
+    d = policy().decide(four_slots())
+    assert d.action == "lend" and d.gain_s == pytest.approx(10 * (3 - 6 / (3 / (1 + 1 / 5.4))))
+
+
+def test_a_cheap_move_wins_over_lending():
+    # the same move at 1 s: net 10 - 2 = 8 s > lending's 6.3 s
+    cheap = RoleChangeCost(actor_start_s=1.0)
+    d = policy().decide(four_slots(to_rollout_cost=cheap))
+    assert (d.action, d.rollout_slots, d.train_slots, d.lent_slots) == ("to_rollout", 3, 1, 0)
+
+
+def test_a_move_that_pays_more_than_lending_first_reclaims_the_lent_engine():
+    # one slot lends (t measured 2.7, 3.0 unlent): T(2, 2, l=1) = 2.53, 2.37 s a step. A move to
+    # (3, 1): 2 s a step, gain 3.7 s - 0.1 s x 2 = 3.5 s net; lending a second slot: T = 4 / (1 +
+    # 2 / 5.4) = 2.92, gain 3.2 s. The move needs no slot lending: the policy reclaims now, moves later
+    cheap = RoleChangeCost(actor_start_s=0.1)
+    o = four_slots(to_rollout_cost=cheap, lent_slots=1, train_rate=2.7, rollout_idle=0.0, train_idle=0.3)
+    p = policy()
+    d = p.decide(o)
+    assert (d.action, d.lent_slots, d.rollout_slots) == ("reclaim", 0, 2)
+    assert d.reason.startswith("reclaim a lent engine first, then to_rollout (3 rollout + 1 train)")
+    # next boundary, nothing lending: the move itself (versus lending again, which gains less)
+    nxt = p.decide(replace(o, version=11, step=11, lent_slots=0, train_rate=3.0))
+    assert (nxt.action, nxt.rollout_slots, nxt.train_slots) == ("to_rollout", 3, 1)
+
+
+def test_lends_at_most_once_per_version():
+    p = policy()
+    assert p.decide(two_slots()).action == "lend"
+    again = p.decide(two_slots())
+    assert again.action == "hold" and "already moved a slot at version 10" in again.reason
+
+
+def test_observe_counts_a_lent_engines_generating_seconds_as_offered_rollout_time():
+    # 10 s: the rollout slot busy 10 s, the lent engine 4 s (its trainer waited), 28 samples made
+    interval = Interval(
+        seconds=10.0, rollout_busy_s=10.0, generated=28.0, trainer_busy_s=6.0, trained=12.0, lent_busy_s=4.0
+    )
+    o = observe(
+        interval, step=3, version=3, steps_since_change=3, rollout_slots=1, train_slots=1,
+        batch_size=4.0, lent_slots=1, lendable_slots=1,
+    )  # fmt: skip
+    assert o.rollout_rate == pytest.approx(2.0)  # 28 samples / 14 generating seconds
+    assert o.rollout_idle == 0.0 and o.train_idle == pytest.approx(0.4)
+    assert (o.lent_slots, o.lendable_slots) == (1, 1)
+    with pytest.raises(ValueError, match="lent_slots 2 <= lendable_slots 1"):
+        replace(o, lent_slots=2)
+    # the rollout slot waited 4 of 10 s: a lent engine generating meanwhile does not hide that
+    waited = replace(interval, rollout_busy_s=6.0, generated=20.0)
+    o = observe(
+        waited, step=3, version=3, steps_since_change=3, rollout_slots=1, train_slots=1,
+        batch_size=4.0, lent_slots=1, lendable_slots=1,
+    )  # fmt: skip
+    assert o.rollout_idle == pytest.approx(0.4) and o.rollout_rate == pytest.approx(2.0)
+
+
+def test_lending_and_reclaiming_wait_the_dwell_after_a_change():
+    d = policy().decide(two_slots(steps_since_change=4))
+    assert d.action == "hold"
+    assert policy().decide(two_slots(steps_since_change=5)).action == "lend"
+
+
+def test_a_lent_engine_yields_unless_its_oldest_group_is_past_the_staleness_bound():
+    assert lent_engine_yields(None, 9, eta=1)  # nothing in flight
+    assert lent_engine_yields(9, 9, eta=1) and lent_engine_yields(8, 9, eta=1)
+    assert not lent_engine_yields(7, 9, eta=1)  # 2 versions old with eta 1: runs beside the step
+    assert lent_engine_yields(5, 5, eta=0) and not lent_engine_yields(4, 5, eta=0)
