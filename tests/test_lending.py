@@ -159,12 +159,14 @@ class _Recorder:
         return self.calls
 
 
-@pytest.fixture(scope="module")
-def local_ray():
+@pytest.fixture
+def local_ray(monkeypatch):
     import ray
 
-    env = {"PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    ray.init(address="local", num_cpus=1, include_dashboard=False, runtime_env={"env_vars": env})
+    # the workers import this module (the recording actor) from the tests folder
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=1, include_dashboard=False)
     yield ray
     ray.shutdown()
 

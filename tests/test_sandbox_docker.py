@@ -127,3 +127,22 @@ def test_a_sandbox_killed_from_outside_reports_it_and_is_not_alive():
         assert not sb.is_alive_sync()
     finally:
         sb.close_sync()
+
+
+def test_listing_sandboxes_skips_a_container_removed_while_it_is_listed():
+    """The engine lists a container's id, then the container is gone before its inspection (a run or
+    the reaper removing it meanwhile: a full CI run saw the 404 end an interrupted run's test)."""
+    from types import SimpleNamespace
+
+    from docker.errors import NotFound
+    from docker.models.containers import ContainerCollection
+
+    from reflow.sandbox.reaper import list_sandboxes
+
+    def gone(container_id):
+        raise NotFound(f"No such container: {container_id}")
+
+    api = SimpleNamespace(containers=lambda **_: [{"Id": "removed-meanwhile"}], inspect_container=gone)
+    client = SimpleNamespace(api=api)
+    client.containers = ContainerCollection(client=client)  # the docker SDK's own listing
+    assert list_sandboxes(client) == []

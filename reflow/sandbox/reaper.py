@@ -134,7 +134,9 @@ class ReapedContainer:
 
 
 def list_sandboxes(client: Any) -> list[Any]:
-    return client.containers.list(all=True, filters={"label": f"{KIND_LABEL}=1"})
+    """The sandbox containers on `client`'s engine. One removed between the listing and its inspection
+    (a run or the reaper ending it meanwhile) is left out, not raised."""
+    return client.containers.list(all=True, filters={"label": f"{KIND_LABEL}=1"}, ignore_removed=True)
 
 
 def reap(
