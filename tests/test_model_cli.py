@@ -122,6 +122,9 @@ def test_eval_plays_the_configs_env_kwargs_on_the_held_out_tasks(checkpoint, tmp
     # a long evaluation says how far it is: here a line once all 3 tasks are done, for each half
     assert "greedy: 3/3 tasks (100%)" in out.stdout
     assert "2 samples per task at temperature 1: 3/3 tasks (100%)" in out.stdout
+    # the greedy figure comes before the sampled half starts (a cut evaluation keeps it)
+    greedy_line = out.stdout.index(f"greedy done: success {summary['success_rate']:.1%}")
+    assert greedy_line < out.stdout.index("2 samples per task at temperature 1:")
     rows = [json.loads(line) for line in episodes.read_text().splitlines()]
     seeds = [EVAL_SEED_BASE + i for i in range(3)]
     assert [r["seed"] for r in rows[:3]] == seeds

@@ -65,7 +65,7 @@ async def play_held_out(
     on one in-process rollout worker; and the greedy half's seconds."""
     from reflow.console import console
     from reflow.models.adapters import is_adapter_folder
-    from reflow.rollout.collect import EVAL_SEED_BASE, ProgressLines
+    from reflow.rollout.collect import EVAL_SEED_BASE, ProgressLines, summarize, summary_line
     from reflow.runtime.workers import RolloutWorker
 
     def say(line: str) -> None:
@@ -84,7 +84,8 @@ async def play_held_out(
         greedy = await worker.held_out(episodes, EVAL_SEED_BASE, 0.0, 1, ProgressLines(say, "greedy"))
         seconds = time.monotonic() - start
         sampled = []
-        if pass_at:
+        if pass_at:  # the greedy figure now: a sampled half cut short (hours on a real model) keeps it
+            say(f"greedy done: {summary_line(summarize(greedy, seconds))}")
             t = config.rollout.temperature
             lines = ProgressLines(say, f"{pass_at} samples per task at temperature {t:g}")
             sampled = await worker.held_out(episodes, EVAL_SEED_BASE, t, pass_at, lines)
