@@ -74,7 +74,7 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
     rollouts: dict[Any, GroupInFlight] = {}  # object ref of a group in flight -> its worker, since when
     workers = BusyClock(len(cluster.rollout))
     # lending: engines beside the trainer ranks take groups while no step runs (`LentEngines`)
-    lent = LentEngines(cluster, per_worker, config.replay.eta) if cluster.lent else None
+    lent = LentEngines(cluster, per_worker, config.replay.eta, state) if cluster.lent else None
     elastic = (
         ElasticDriver(cluster, config, state, clock.now(), lent)
         if config.elastic.active(config.mode)
@@ -83,7 +83,7 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
     tail = TailGate(
         _tail_policy(config), B, per_worker, config.rollout.group_size, _tail_runtime(cluster, config)
     )
-    busy_before, lent_before = state.rollout_busy_s, (state.lent_busy_s, state.lent_yields)
+    busy_before = state.rollout_busy_s
     uses = ray.get(cluster.replay.reuse_histogram.remote(spread=True))  # groups with spread, by uses
     got = Arrivals(accepted=sum(uses.values()))
     _log_events(log, state, "tail", _restore(state.scheduler, share, elastic, tail, got))
@@ -177,10 +177,7 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
             tail.observe(got.seconds, got.episode_seconds)
         state.rollout_busy_s = busy_before + workers.total()
         if lent is not None:
-            state.lent_busy_s, state.lent_yields = (
-                lent_before[0] + lent.busy_s(),
-                lent_before[1] + lent.pauses,
-            )
+            state.lent_busy_s, state.lent_yields = lent.busy_s(), lent.pauses
     # The run's final checkpoint (after the loop) keeps the state the run ended with: a run that ends
     # on its time budget may have written no periodic checkpoint since its last changes, or none.
     state.scheduler = saved()

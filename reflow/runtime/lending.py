@@ -35,18 +35,21 @@ from reflow.policy.lending import lent_engine_yields
 
 class LentEngines:
     """See the module docstring. `per_engine`: groups a lent engine runs at once; `eta`: the staleness
-    bound (versions) past which a lent group runs on through a step."""
+    bound (versions) past which a lent group runs on through a step; `state`: the loop's `RunState`,
+    whose counters (`lent_busy_s`, `lent_yields`, restored on a resume) these continue."""
 
-    def __init__(self, cluster: Any, per_engine: int, eta: int, lending: int | None = None) -> None:
+    def __init__(
+        self, cluster: Any, per_engine: int, eta: int, state: Any = None, lending: int | None = None
+    ) -> None:
         self.cluster, self.per_engine, self.eta = cluster, per_engine, eta
         n = len(cluster.lent)
         self.lending = n if lending is None else lending
         self.groups: dict[Any, tuple[int, int]] = {}  # object ref -> (lent engine, version started on)
         self.paused: set[int] = set()
         self._since: list[float | None] = [None] * n  # generating since (None: idle or paused)
-        self._busy = 0.0
-        self.pauses = 0
-        """Step starts at which at least one lent engine yielded."""
+        self._busy = state.lent_busy_s if state is not None else 0.0
+        self.pauses = state.lent_yields if state is not None else 0
+        """Step starts at which at least one lent engine yielded (the run's, a resumed one's too)."""
         self.ran_on = 0
         """Step starts at which a lent engine ran on past the staleness bound."""
 
@@ -132,7 +135,7 @@ class LentEngines:
                 self._since[engine] = time.monotonic()
 
     def busy_s(self) -> float:
-        """Generating seconds so far, summed over the lent engines."""
+        """Generating seconds so far in the run (a resumed one's too), summed over the lent engines."""
         now = time.monotonic()
         return self._busy + sum(now - s for s in self._since if s is not None)
 
