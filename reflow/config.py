@@ -404,8 +404,8 @@ class ElasticSection(_fields_of(ElasticConfig, base=_PolicySection)):
 
 class TailSection(_fields_of(TailConfig, base=_PolicySection)):
     """The long-tail scheduler's policy (`reflow.policy.tail`). In sync mode (`reflow.recipes.sync_tail`):
-    over-provisioning and partial rollouts paused through the train step; no migration or
-    concurrency limits there yet."""
+    over-provisioning, partial rollouts paused through the train step, and with more than one rollout
+    worker migration and concurrency limits as in the decoupled modes."""
 
 
 class TasksSection(_fields_of(LearnabilityConfig)):

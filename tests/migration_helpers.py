@@ -1,5 +1,6 @@
 """Test doubles for episode migration: a deterministic engine that samples one token per event-loop tick
-(so a test can migrate at a known token), and a stand-in for a rollout worker's Ray actor handle."""
+(so a test can migrate at a known token), a stand-in for a rollout worker's Ray actor handle, and a tail
+policy with scripted migrations for real runs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from reflow.engine import EngineError, GenerateResult, SamplingParams
+from reflow.policy.tail import TailPolicy
+from reflow.policy.tail_actions import FreeSlot, Migrate, SetConcurrency
+from reflow.runtime.tail import is_placeholder
 
 
 def next_token(context: list[int]) -> int:
@@ -98,3 +102,32 @@ class FakeHandle:
     def __init__(self, engine: Any) -> None:
         self.engine_generate = _Method(engine.generate)
         self.engine_abort = _Method(engine.abort)
+
+
+class ScriptedTail:
+    """The real tail policy, plus scripted actions the runtime applies for real (as `ScriptedElastic`):
+    the first two times two engines run started episodes, every episode of the less loaded one
+    migrates to the other, which is freed for the next batch; and once, engine w0's limit is 12."""
+
+    def __init__(self, cfg=None) -> None:
+        self.policy, self.forced, self.limit_set = TailPolicy(cfg), 0, False
+        self.cfg = self.policy.cfg
+
+    def extra_groups(self, *args):
+        return self.policy.extra_groups(*args)
+
+    def decide(self, obs):
+        actions = self.policy.decide(obs)
+        started = [ep for ep in obs.episodes if not is_placeholder(ep.id)]
+        engines = {e.id for e in obs.engines if not e.released}
+        by_engine = {e: [ep for ep in started if ep.engine == e] for e in engines}
+        busy = sorted((e for e in by_engine if by_engine[e]), key=lambda e: (len(by_engine[e]), e))
+        if self.forced < 2 and len(busy) >= 2 and not any(a.kind == "migrate" for a in actions):
+            src, dst = busy[0], busy[-1]
+            actions += [Migrate(ep.id, src, dst, ep.tokens, "scripted: consolidate") for ep in by_engine[src]]
+            actions.append(FreeSlot(src, "next_batch", "scripted: emptied"))
+            self.forced += 1
+        if not self.limit_set and "w0" in engines:
+            actions.append(SetConcurrency("w0", 12, "scripted: the knee"))
+            self.limit_set = True
+        return actions

@@ -1,7 +1,9 @@
 """Tail handling in sync mode: a worker's episodes pause (requests aborted, tokens kept) and resume on
 the engine's newer weights, first on a deterministic engine (pause at a known token), then a real
 `agent-train` run in mode sync with `tail.enabled` that over-provisions, carries unfinished groups over
-the train step and trains them with their per-token versions, losing no group."""
+the train step and trains them with their per-token versions, losing no group; and one with two rollout
+workers whose tail migrates episodes between them, starts the next round's groups on the engine freed
+and sets a concurrency limit, losing no group."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
-from migration_helpers import CountingEngine, expected_ids
+from migration_helpers import CountingEngine, ScriptedTail, expected_ids
 from run_helpers import LONG_TAIL_RUN, SMALL_ROLLOUT, TINY_MODEL, train_and_read
 
 from reflow.engine import SamplingParams
@@ -149,6 +151,52 @@ def test_sync_run_with_tail_handling_carries_groups_over_and_loses_none(tmp_path
     assert all(len(eps) == 4 for eps in by_group.values())
     assert all(r.status != "infra_error" for r in records)
     assert any(r.policy_version_start < r.policy_version_end for r in records)
+
+
+@pytest.mark.slow
+def test_sync_run_with_two_rollout_workers_migrates_its_stragglers_and_loses_no_group(tmp_path, monkeypatch):
+    import reflow.recipes.sync_tail as sync_tail
+    from reflow.replay import ReplayStore
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setattr(sync_tail, "TailPolicy", ScriptedTail)
+    summary, rows = train_and_read(
+        [
+            *TINY_MODEL,
+            *SMALL_ROLLOUT,
+            *LONG_TAIL_RUN,
+            f"out_dir={tmp_path}",
+            "run_name=sync-migrate",
+            "mode=sync",
+            "train.steps=5",
+            "resources.slots=[rollout, rollout, train]",
+            "tail.enabled=true",
+        ]
+    )
+    run_dir = tmp_path / "sync-migrate"
+    assert summary["steps"] == 5
+    tail = [r for r in rows if r["kind"] == "tail"]
+    decided = [t for t in tail if t["what"] == "migrate" and t["applied"] and "tokens" in t]
+    assert summary["tail_migrations"] >= 1 and len(decided) == summary["tail_migrations"]
+    assert all(m["source"] != m["target"] for m in decided)
+    assert any(t["what"] == "free_slot" and t["applied"] and t["use"] == "next_batch" for t in tail)
+    assert any(t["what"] == "set_concurrency" and t["applied"] and t["limit"] == 12 for t in tail)
+    steps = [r for r in rows if r["kind"] == "step"]
+    assert all(s["staleness_max"] <= 1 for s in steps)  # a round's early groups pause with its stragglers
+    with ReplayStore(run_dir / "replay.sqlite", "sync-migrate") as store:
+        assert store.integrity_check() == "ok"
+        arrived = sum(r["groups_generated"] for r in rows if r["kind"] in ("step", "no_signal"))
+        ended = [t for t in tail if t["what"] == "run_end"]
+        assert store.count() == arrived + sum(t["stored"] for t in ended)
+        records = {r.episode_id: r for r in store.episodes()}
+    by_group: dict[str, int] = {}
+    for r in records.values():
+        by_group[r.group_id] = by_group.get(r.group_id, 0) + 1
+    assert all(n == 4 for n in by_group.values())
+    assert all(r.status != "infra_error" for r in records.values())
+    moved = [records[m["episode"]] for m in decided if m["episode"] in records]
+    assert moved and all(r.timings.get("migrations", 0) >= 1 for r in moved)
 
 
 @pytest.mark.parametrize("mode", ["sync", "reflow"])

@@ -12,11 +12,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from migration_helpers import ScriptedTail
 from run_helpers import LONG_TAIL_RUN, SMALL_ROLLOUT, TINY_MODEL
 
 from reflow.policy.tail import TailPolicy
 from reflow.policy.tail_actions import FreeSlot, Migrate, OverProvision, SetConcurrency
-from reflow.runtime.tail import GroupInFlight, Snapshot, TailGate, TailLook, TailRuntime, is_placeholder
+from reflow.runtime.tail import GroupInFlight, Snapshot, TailGate, TailLook, TailRuntime
 
 TESTS = Path(__file__).parent
 
@@ -127,34 +128,6 @@ def test_gate_worker_picks_the_least_loaded_engine_with_room_under_its_limit():
     assert look.worker() is None
     # an idle engine always takes a group, even under a limit smaller than one group
     assert TailLook(None, loads=[0], limits=[1], group_size=4).worker() == 0
-
-
-class ScriptedTail:
-    """The real tail policy, plus scripted actions the runtime applies for real (as `ScriptedElastic`):
-    the first two times two engines run started episodes, every episode of the less loaded one
-    migrates to the other, which is freed for the next batch; and once, engine w0's limit is 12."""
-
-    def __init__(self, cfg=None) -> None:
-        self.policy, self.forced, self.limit_set = TailPolicy(cfg), 0, False
-
-    def extra_groups(self, *args):
-        return self.policy.extra_groups(*args)
-
-    def decide(self, obs):
-        actions = self.policy.decide(obs)
-        started = [ep for ep in obs.episodes if not is_placeholder(ep.id)]
-        engines = {e.id for e in obs.engines if not e.released}
-        by_engine = {e: [ep for ep in started if ep.engine == e] for e in engines}
-        busy = sorted((e for e in by_engine if by_engine[e]), key=lambda e: (len(by_engine[e]), e))
-        if self.forced < 2 and len(busy) >= 2 and not any(a.kind == "migrate" for a in actions):
-            src, dst = busy[0], busy[-1]
-            actions += [Migrate(ep.id, src, dst, ep.tokens, "scripted: consolidate") for ep in by_engine[src]]
-            actions.append(FreeSlot(src, "next_batch", "scripted: emptied"))
-            self.forced += 1
-        if not self.limit_set and "w0" in engines:
-            actions.append(SetConcurrency("w0", 12, "scripted: the knee"))
-            self.limit_set = True
-        return actions
 
 
 @pytest.mark.slow

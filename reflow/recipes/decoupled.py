@@ -45,7 +45,7 @@ from reflow.runtime.cluster import Cluster
 from reflow.runtime.elastic import ElasticDriver, moved_positions
 from reflow.runtime.lending import LentEngines
 from reflow.runtime.replay_service import PlannedBatch, cycle_config
-from reflow.runtime.tail import GroupInFlight, TailGate, TailRuntime
+from reflow.runtime.tail import GroupInFlight, TailGate, tail_runtime
 from reflow.runtime.workers import GroupReport
 
 
@@ -81,7 +81,7 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
         else None
     )
     tail = TailGate(
-        _tail_policy(config), B, per_worker, config.rollout.group_size, _tail_runtime(cluster, config)
+        _tail_policy(config), B, per_worker, config.rollout.group_size, tail_runtime(cluster, config)
     )
     busy_before = state.rollout_busy_s
     uses = ray.get(cluster.replay.reuse_histogram.remote(spread=True))  # groups with spread, by uses
@@ -190,15 +190,6 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
 
 def _tail_policy(config: RunConfig) -> TailPolicy | None:
     return TailPolicy(config.tail.policy_config()) if config.tail.active(config.mode) else None
-
-
-def _tail_runtime(cluster: Cluster, config: RunConfig) -> TailRuntime | None:
-    """What applies the tail's per-episode actions (migrations, freed engines, concurrency limits)."""
-    t = config.tail
-    if not (t.active(config.mode) and (t.migrate or t.set_concurrency)):
-        return None
-    r = config.rollout
-    return TailRuntime(cluster, r.group_size, r.max_batch_size, unknown_tokens=r.max_context_tokens)
 
 
 def _log_events(log: RunLog, state: RunState, kind: str, events: list[dict[str, Any]]) -> None:

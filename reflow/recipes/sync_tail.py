@@ -15,6 +15,12 @@ paused (`rollout.episode_deadline_s` is refused with this mode). Nothing is lost
 resume takes up the groups one version old; at the end of the run the unfinished groups are cancelled
 (one that finished first is stored, and the `run_end` event says so).
 
+With more than one rollout worker, the tail's per-episode actions apply as in the decoupled modes
+(`tail.migrate`, `tail.set_concurrency`; `reflow.runtime.tail.TailRuntime`): a round's stragglers
+migrate onto fewer engines, and an engine so freed starts the next round's groups, which pause with the
+stragglers at the round's end and resume on the new weights (with carry-over; without it, nothing starts
+early); each engine's concurrency limit follows its measured knee.
+
 A round counts as done its groups with reward spread, and its zero-spread groups beyond the ones
 `rollout.max_resample_rounds` lets it replace (B per resampling round): with resampling off a round
 ends after B groups, as plain sync's does. The group durations over-provisioning reads leave the pauses
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +42,7 @@ from reflow.policy.tail import TailPolicy
 from reflow.recipes.run_log import RunLog
 from reflow.recipes.run_state import RunState, next_seeds, observe_tasks
 from reflow.runtime.cluster import Cluster
-from reflow.runtime.tail import GroupInFlight, TailGate
+from reflow.runtime.tail import GroupInFlight, TailGate, tail_runtime
 from reflow.runtime.workers import GroupReport
 
 CANCEL_TIMEOUT_S = 30.0
@@ -60,7 +67,9 @@ class SyncTail:
         r = config.rollout
         self.cluster, self.config, self.batch = cluster, config, r.groups_per_step
         self.policy = TailPolicy(config.tail.policy_config())
-        self.gate = TailGate(self.policy, self.batch, max(1, r.max_batch_size // r.group_size), r.group_size)
+        self.carry = self.policy.cfg.carry_over
+        per_worker = max(1, r.max_batch_size // r.group_size)
+        self.gate = TailGate(self.policy, self.batch, per_worker, r.group_size, tail_runtime(cluster, config))
         self.running: dict[Any, Running] = {}
         self.spare: list[GroupReport] = []  # groups with spread done beyond B, counted already
         self.leftover = list(pending or [])  # stored before a resume, counted in the next round
@@ -81,15 +90,21 @@ class SyncTail:
             loads = [0] * len(self.cluster.rollout)
             for run in self.running.values():
                 loads[run.group.worker] += 1
-            look = self.gate.look(done, [r.group for r in self.running.values()], loads, time.monotonic())
-            for event in look.events:
-                log.write("tail", {"step": state.step, "version": state.version, **event})
+            # an engine freed by consolidating the stragglers may start the next round's groups:
+            # they pause with the round's stragglers and resume on the new weights (carry-over only)
+            next_room = max(0, 2 * self.batch - done - len(self.running)) if self.carry else 0
+            in_flight = [r.group for r in self.running.values()]
+            versions = [state.version] * len(loads)  # sync: every engine holds the trainer's weights
+            look = self.gate.look(done, in_flight, loads, time.monotonic(), next_room, versions)
+            state.tail_migrations += look.migrations
+            self._log(state, log, look.events)
             while done < self.batch and look.allows() and (w := look.worker()) is not None:
                 state.tail_over_provisioned += look.take(w)
                 self._launch(w, state)
             if not self.running or (done >= self.batch and not any(r.carried for r in self.running.values())):
                 break
-            ready, _ = ray.wait(list(self.running), num_returns=1)
+            wake = self.gate.wake_s(len(self.running))  # with migrations: look again at the tail
+            ready, _ = ray.wait(list(self.running), num_returns=1, timeout=wake)
             for ref in ready:
                 run = self.running.pop(ref)
                 (report,) = ray.get(ref)
@@ -120,6 +135,12 @@ class SyncTail:
         if self.paused_at is not None:
             ray.get([w.resume_episodes.remote() for w in self.cluster.rollout])
             self.paused_at = None
+        self._log(state, log, self.gate.close(time.monotonic()))  # migrations measured, not yet logged
+
+    @staticmethod
+    def _log(state: RunState, log: RunLog, events: list[dict[str, Any]]) -> None:
+        for event in events:
+            log.write("tail", {"step": state.step, "version": state.version, **event})
 
     def _cancel(self) -> list[tuple[Running, GroupReport]]:
         """Cancel every group in flight and wait for the cancellations (a paused episode ends where it
@@ -139,14 +160,15 @@ class SyncTail:
 
     def _launch(self, worker: int, state: RunState) -> None:
         seed = self.restart.pop(0) if self.restart else next_seeds(state, 1, self.config)[0]
-        ref = self.cluster.rollout[worker].generate.remote([seed])
-        self.running[ref] = Running(seed, GroupInFlight(worker, f"seed-{seed}", time.monotonic()))
+        group_id = uuid.uuid4().hex  # named here: the tail runtime finds its episodes in the workers' reports
+        ref = self.cluster.rollout[worker].generate.remote([seed], [group_id])
+        self.running[ref] = Running(seed, GroupInFlight(worker, group_id, time.monotonic()))
 
     def _carry(self, state: RunState) -> None:
         """B done: the groups still running pause until the next round, or start over then."""
         if not self.running:
             return
-        if self.policy.cfg.carry_over:
+        if self.carry:
             ray.get([w.pause_episodes.remote() for w in self.cluster.rollout])
             self.paused_at = time.monotonic()
             state.tail_carried_over += len(self.running)

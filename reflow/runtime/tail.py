@@ -44,6 +44,7 @@ from typing import Any
 
 import ray
 
+from reflow.config import RunConfig
 from reflow.policy.actuator import GATE_ACTIONS, apply_tail, tail_event
 from reflow.policy.tail import QUANTILE_WINDOW, EngineState, InFlightEpisode, TailPolicy
 from reflow.policy.tail import observe as observe_tail
@@ -315,6 +316,15 @@ class TailLook:
         over = self.room <= self.beyond_b
         self.room -= 1
         return over
+
+
+def tail_runtime(cluster: Any, config: RunConfig) -> TailRuntime | None:
+    """What applies a run's per-episode tail actions (migrations, freed engines, concurrency limits),
+    in any mode with tail handling; None when the tail is off or both actions are."""
+    t, r = config.tail, config.rollout
+    if not (t.active(config.mode) and (t.migrate or t.set_concurrency)):
+        return None
+    return TailRuntime(cluster, r.group_size, r.max_batch_size, unknown_tokens=r.max_context_tokens)
 
 
 class TailGate:
