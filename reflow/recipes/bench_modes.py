@@ -256,6 +256,9 @@ def pilot_targets(pilot: dict[str, Any], shares: tuple[float, ...] = GAIN_SHARES
 def add_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks that print figures")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from reflow.recipes import bench_lending
+
+    bench_lending.add_parser(bench_sub)  # `reflow bench lending`
     p = bench_sub.add_parser(
         "modes",
         help="sync vs async vs reflow at equal hardware and budget",
