@@ -164,7 +164,9 @@ def test_ablation_rows_run_reflow_with_parts_off_and_show_role_changes_and_tail_
             tail_carried_over=carried,
             tail_migrations=0,
             lent_busy_s=lent_s,
+            lent_stored_s=lent_s / 2,
             lent_yields=int(lent_s),
+            train_slot_idle_ratio=0.25 if lent_s else run["summary"]["trainer_idle_ratio"],
         )
         return run
 
@@ -178,17 +180,23 @@ def test_ablation_rows_run_reflow_with_parts_off_and_show_role_changes_and_tail_
     ]
     md = table(results, {"target": 0.2}, budget_minutes=1)
     header, cells = _rows(md, "| mode | seeds |")
-    assert header[-7:] == [
+    assert header[-8:] == [
         "role changes", "role change s", "over-provisioned", "carried over", "migrations", "lent s",
-        "lent yields",
+        "lent stored s", "lent yields",
     ]  # fmt: skip
+    slot_idle = header.index("train slot idle")
+    assert header[slot_idle - 1] == "trainer idle"
     assert list(cells) == ["sync", "reflow", "reflow-static", "reflow-no-tail", "reflow-lend"]  # table order
-    assert all(len(c) == len(header) == 25 for c in cells.values())  # mode, seeds, time and reached, 21 more
+    assert all(len(c) == len(header) == 27 for c in cells.values())  # mode, seeds, time and reached, 23 more
     # two seeds: mean ± t(1) s / sqrt(2), with s = 1.41 for 2 and 4: 12.706
-    assert cells["reflow"][-7:-2] == ["3 ± 12.7", "4 ± 12.7", "5 ± 12.7", "12 ± 25.4", "0 ± 0"]
-    assert cells["reflow-no-tail"][-7:] == ["1", "2.5", "0", "0", "0", "0", "0"]  # one seed: no interval
-    assert cells["reflow-lend"][-2:] == ["12.5", "12"]
-    assert cells["sync"][-7:] == ["0"] * 7
+    assert cells["reflow"][-8:-3] == ["3 ± 12.7", "4 ± 12.7", "5 ± 12.7", "12 ± 25.4", "0 ± 0"]
+    assert cells["reflow-no-tail"][-8:] == ["1", "2.5", "0", "0", "0", "0", "0", "0"]  # one seed: no interval
+    assert cells["reflow-lend"][-3:] == ["12.5", "6.25", "12"]
+    # the train slot's idle share counts the lent engine's stored generation; a run from before it
+    # shows its trainer's idle share
+    assert cells["reflow-lend"][slot_idle] == "0.25"
+    assert cells["sync"][slot_idle] == cells["sync"][slot_idle - 1]
+    assert cells["sync"][-8:] == ["0"] * 8
     assert plot(results, tmp_path, {"target": 0.2}).stat().st_size > 1000
 
 

@@ -116,6 +116,9 @@ def test_a_reflow_run_with_lending_trains_the_lent_engines_groups_and_loses_none
     # the lent engine (index 3: after the two slots) generated groups, yielded at step starts, and its
     # generating seconds are counted
     assert summary["lent_busy_s"] > 0 and summary["lent_yields"] > 0
+    # the slot's idle share counts the lent generation that ended in stored groups
+    assert 0 < summary["lent_stored_s"] <= summary["lent_busy_s"]
+    assert summary["train_slot_idle_ratio"] < summary["trainer_idle_ratio"]
     with ReplayStore(tmp_path / "lend" / "replay.sqlite", "lend") as store:
         assert store.integrity_check() == "ok"
         arrived = sum(r["groups_generated"] for r in rows if r["kind"] in ("step", "no_signal"))
@@ -190,6 +193,29 @@ def test_a_lent_engine_kept_paused_by_back_to_back_steps_runs_on_once_its_group_
     assert (lent.pauses, lent.ran_on) == (1, 1)
     assert lent.free() is not None  # it has room for a second group (the loop starts none mid-step)
     assert lent.done("group-a") and lent.in_flight == 0 and not lent.done("group-a")
+
+
+def test_lent_time_after_an_engines_last_stored_group_counts_as_idle(monkeypatch):
+    """`stored_s`: the lent seconds that ended in a stored group; a group cancelled at the run's end
+    produced nothing, so the time spent on it after the last stored group is idle (the train slot's
+    idle ratio counts `stored_s`). A resumed run continues both counters."""
+    import reflow.runtime.lending as lending
+
+    now = [100.0]
+    monkeypatch.setattr(lending.time, "monotonic", lambda: now[0])
+    state = SimpleNamespace(lent_busy_s=5.0, lent_stored_s=4.0, lent_yields=0)
+    lent = lending.LentEngines(SimpleNamespace(lent=[object(), object()]), per_engine=2, eta=1, state=state)
+    lent.started("a", 0, version=0)
+    lent.started("b", 1, version=0)
+    now[0] = 103.0
+    assert lent.done("a")  # engine 0: 3 s, stored
+    now[0] = 104.0
+    lent.started("c", 0, version=0)  # engine 0 generates again from 104
+    now[0] = 110.0  # the run ends: c (6 s) and b (10 s) never stored
+    assert lent.busy_s() == pytest.approx(5.0 + 3.0 + 6.0 + 10.0)
+    assert lent.stored_s() == pytest.approx(4.0 + 3.0)
+    assert lent.done("b")  # engine 1's group came in after all: its 10 s produced a stored group
+    assert lent.stored_s() == pytest.approx(4.0 + 3.0 + 10.0)
 
 
 def test_a_resumed_run_gives_the_lent_engines_its_weights_too(local_ray):

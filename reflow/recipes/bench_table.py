@@ -32,6 +32,7 @@ COUNTS = (
     "tail_carried_over",
     "tail_migrations",
     "lent_busy_s",
+    "lent_stored_s",
     "lent_yields",
 )
 """Summary counters of the elastic pool and the tail scheduler (0 in runs that predate them)."""
@@ -105,9 +106,9 @@ def table(results: list[dict[str, Any]], targets: dict[str, float] | None, budge
     head = [c for label in targets for c in (f"time to {label} (s)", f"reached {label}")]
     tail = [
         "final held-out", *RATES, "gen tok/s", "held-out at budget (curve)", "start", "rollout idle",
-        "trainer idle", "staleness mean", "reuse (mean uses/group)", "IS w mean", "IS w max",
+        "trainer idle", "train slot idle", "staleness mean", "reuse (mean uses/group)", "IS w mean", "IS w max",
         "masked frac", "steps", "role changes", "role change s", "over-provisioned", "carried over",
-        "migrations", "lent s", "lent yields",
+        "migrations", "lent s", "lent stored s", "lent yields",
     ]  # fmt: skip
     columns = ["mode", "seeds", *head, *tail]
     rows = [
@@ -130,6 +131,7 @@ def table(results: list[dict[str, Any]], targets: dict[str, float] | None, budge
             [r["evals"][0]["success_rate"] for r in runs],
             [r["summary"]["rollout_idle_ratio"] for r in runs],
             [r["summary"]["trainer_idle_ratio"] for r in runs],
+            [r["summary"].get("train_slot_idle_ratio", r["summary"]["trainer_idle_ratio"]) for r in runs],
             [_step_mean(r["steps"], "staleness_mean") for r in runs],
             [_reuse(r) for r in runs],
             [_step_mean(r["steps"], "w_mean") for r in runs],

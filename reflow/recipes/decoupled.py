@@ -177,7 +177,11 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
             tail.observe(got.seconds, got.episode_seconds)
         state.rollout_busy_s = busy_before + workers.total()
         if lent is not None:
-            state.lent_busy_s, state.lent_yields = lent.busy_s(), lent.pauses
+            state.lent_busy_s, state.lent_stored_s, state.lent_yields = (
+                lent.busy_s(),
+                lent.stored_s(),
+                lent.pauses,
+            )
     # The run's final checkpoint (after the loop) keeps the state the run ended with: a run that ends
     # on its time budget may have written no periodic checkpoint since its last changes, or none.
     state.scheduler = saved()

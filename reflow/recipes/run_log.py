@@ -287,6 +287,14 @@ def step_record(
     }
 
 
+def train_slot_idle(config: RunConfig, state: RunState, wall: float) -> float:
+    """A train slot's idle share: wall time minus its trainer's step time minus its lent engine's
+    generation that ended in stored groups (lent time that produced nothing is idle); the trainer's
+    idle ratio without lending. Lent seconds are shared over the train slots (lending runs on one)."""
+    slots = max(1, config.resources.slots.count("train"))
+    return idle_ratio(state.trainer_busy_s + state.lent_stored_s / slots, wall)
+
+
 def run_summary(
     config: RunConfig, state: RunState, reuse_hist: dict[int, int] | None = None
 ) -> dict[str, Any]:
@@ -308,6 +316,7 @@ def run_summary(
         "seconds_per_step": state.wall_s / max(state.step, 1),
         "rollout_idle_ratio": idle_ratio(state.rollout_busy_s, state.rollout_slot_s),
         "trainer_idle_ratio": idle_ratio(state.trainer_busy_s, wall),
+        "train_slot_idle_ratio": train_slot_idle(config, state, wall),
         "env_time_share": state.env_s / state.episode_s if state.episode_s > 0 else 0.0,
         "staleness_hist": dict(sorted(state.staleness_hist.items(), key=lambda kv: int(kv[0]))),
         "reuse_hist": reuse_hist or {},
@@ -317,6 +326,7 @@ def run_summary(
         "tail_carried_over": state.tail_carried_over,
         "tail_migrations": state.tail_migrations,
         "lent_busy_s": state.lent_busy_s,
+        "lent_stored_s": state.lent_stored_s,
         "lent_yields": state.lent_yields,
         "groups_quarantined": state.groups_quarantined,
         **headroom_summary(state.headroom),

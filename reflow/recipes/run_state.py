@@ -68,6 +68,9 @@ class RunState:
     """Episodes migrated to another engine (consolidation)."""
     lent_busy_s: float = 0.0
     """Summed over the engines lent beside the trainer ranks (`elastic.lend`): time generating."""
+    lent_stored_s: float = 0.0
+    """Of `lent_busy_s`, the seconds up to each lent engine's last group stored (the rest produced
+    nothing: the train slot's idle time counts it)."""
     lent_yields: int = 0
     """Step starts at which a lent engine yielded its slot to the trainer (its requests aborted)."""
     lineage: int = 0

@@ -16,7 +16,8 @@ the rank's slot, reserving nothing of its own). `LentEngines` is what the loop k
   episodes resubmit their prefixes on the engine's weights of then (per-token versions, as any
   partial rollout);
 - their generating seconds (`busy_s`: a group in flight and not paused), the elastic policy's lent
-  busy time and the slot's generation time.
+  busy time, and of those the seconds that ended in a stored group (`stored_s`), the train slot's
+  generation time in its idle ratio.
 
 A reclaimed engine takes no new group; the groups it has run on while the trainer waits. Its weights
 reach it through the loop's `WeightPusher` like any engine's (`Cluster.engines`): with one trainer
@@ -47,7 +48,9 @@ class LentEngines:
         self.groups: dict[Any, tuple[int, int]] = {}  # object ref -> (lent engine, version started on)
         self.paused: set[int] = set()
         self._since: list[float | None] = [None] * n  # generating since (None: idle or paused)
-        self._busy = state.lent_busy_s if state is not None else 0.0
+        self._busy = [0.0] * n  # generating seconds in this session, per engine
+        self._stored = [0.0] * n  # of those, the ones up to the engine's last group stored
+        self._before = (state.lent_busy_s, state.lent_stored_s) if state is not None else (0.0, 0.0)
         self.pauses = state.lent_yields if state is not None else 0
         """Step starts at which at least one lent engine yielded (the run's, a resumed one's too)."""
         self.ran_on = 0
@@ -81,6 +84,7 @@ class LentEngines:
         if ref not in self.groups:
             return False
         engine, _ = self.groups.pop(ref)
+        self._stored[engine] = self._engine_busy(engine)
         if engine not in self._busy_engines():
             self._stop_clock(engine)
         return True
@@ -136,13 +140,23 @@ class LentEngines:
 
     def busy_s(self) -> float:
         """Generating seconds so far in the run (a resumed one's too), summed over the lent engines."""
-        now = time.monotonic()
-        return self._busy + sum(now - s for s in self._since if s is not None)
+        return self._before[0] + sum(self._engine_busy(e) for e in range(len(self._busy)))
+
+    def stored_s(self) -> float:
+        """Of `busy_s`, the seconds up to each engine's last group stored (a resumed run's too): what
+        an engine generated after it, for groups cancelled at the run's end, produced nothing. With
+        several groups on an engine at once, a group still running when another is stored counts up
+        to then."""
+        return self._before[1] + sum(self._stored)
+
+    def _engine_busy(self, engine: int) -> float:
+        since = self._since[engine]
+        return self._busy[engine] + (time.monotonic() - since if since is not None else 0.0)
 
     def _stop_clock(self, engine: int) -> None:
         since = self._since[engine]
         if since is not None:
-            self._busy += time.monotonic() - since
+            self._busy[engine] += time.monotonic() - since
             self._since[engine] = None
 
     def state_dict(self) -> dict[str, Any]:
