@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import ray
-
 from reflow.recipes.bench_stats import Interval, geometric_interval, mean_interval
+
+# Ray is imported where it is used: `reflow --help` builds this command's parser without it
 
 CONDITIONS = ("alone", "yields", "runs_on")
 FILL_ROUNDS = 20
@@ -82,6 +82,8 @@ class Feeder:
         self.refs: dict[Any, Any] = {}
 
     def top_up(self) -> None:
+        import ray
+
         if self.refs:
             done, _ = ray.wait(list(self.refs), num_returns=len(self.refs), timeout=0)
             for ref in done:
@@ -93,12 +95,16 @@ class Feeder:
                 self.refs[worker.generate.remote([next(self.seeds)])] = worker
 
     def stop(self) -> None:
+        import ray
+
         ray.get(list(self.refs))
         self.refs = {}
 
 
 def timed_step(cluster: Any, ids: list[str], step: int, feeders: list[Feeder]) -> float:
     """One train step on `ids`, the feeders kept generating meanwhile; its wall seconds."""
+    import ray
+
     t0 = time.monotonic()
     refs = cluster.start_train_step(ids, step)
     pending = list(refs)
@@ -114,6 +120,8 @@ def measure(
     cluster: Any, ids: list[str], rounds: int, steps: int, seeds: Any, echo: Any
 ) -> list[dict[str, list[float]]]:
     """Step seconds per condition per round (module docstring); two warm-up steps first."""
+    import ray
+
     rollout, lent = Feeder(cluster.rollout, seeds), Feeder(cluster.lent, seeds)
     rollout.top_up()
     step = 0
@@ -184,6 +192,8 @@ def table(results: list[ConditionResult], rounds: int, steps: int, load: tuple[f
 def cmd_bench_lending(args: argparse.Namespace) -> int:
     import itertools
     import os
+
+    import ray
 
     from reflow.config import load_config
     from reflow.console import console

@@ -287,7 +287,7 @@ def step_record(
     }
 
 
-def train_slot_idle(config: RunConfig, state: RunState, wall: float) -> float:
+def _train_slot_idle(config: RunConfig, state: RunState, wall: float) -> float:
     """A train slot's idle share: wall time minus its trainer's step time minus its lent engine's
     generation that ended in stored groups (lent time that produced nothing is idle); the trainer's
     idle ratio without lending. Lent seconds are shared over the train slots (lending runs on one)."""
@@ -316,7 +316,7 @@ def run_summary(
         "seconds_per_step": state.wall_s / max(state.step, 1),
         "rollout_idle_ratio": idle_ratio(state.rollout_busy_s, state.rollout_slot_s),
         "trainer_idle_ratio": idle_ratio(state.trainer_busy_s, wall),
-        "train_slot_idle_ratio": train_slot_idle(config, state, wall),
+        "train_slot_idle_ratio": _train_slot_idle(config, state, wall),
         "env_time_share": state.env_s / state.episode_s if state.episode_s > 0 else 0.0,
         "staleness_hist": dict(sorted(state.staleness_hist.items(), key=lambda kv: int(kv[0]))),
         "reuse_hist": reuse_hist or {},
