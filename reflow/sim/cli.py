@@ -8,6 +8,7 @@
     reflow simulate --config configs/sim/predict/qwen3-8b-32-reasoning.yaml --sweep mode.cycle.max_reuse=1,2,4
     reflow simulate --plan --model-size 8B --gpus 32 --workload configs/sim/predict/qwen3-8b-32-agentic.yaml
     reflow simulate --from-run runs/bench-modes [--markdown]   # a run, or each run of a bench folder
+    reflow simulate --config configs/sim/predict/drift/qwen3-8b-32-reasoning-drift.yaml --predict
 
 Only argparse at import: the simulator is imported inside the handler, so `reflow --help` stays light.
 """
@@ -41,6 +42,8 @@ _SHOWN = (
     "partial_ratio",
     "group_seconds_p50",
     "group_seconds_p99",
+    "response_tokens_mean",
+    "turns_mean",
 )
 
 

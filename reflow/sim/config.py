@@ -140,10 +140,44 @@ class Lognormal(_Section):
     sigma: float = Field(0.0, ge=0)
 
 
+class Drift(_Section):
+    """How the workload drifts over a run (long-CoT and agentic RL: responses and turn counts grow
+    several-fold as the policy trains); reflow/sim/drift.py does the arithmetic. Parametric: a group
+    started at policy version v draws its response lengths with the median times f(response_growth, v)
+    and its extra turns (turns_mean - 1) times f(turns_growth, v); f is 1 at version 0 and the growth at
+    `over_steps` and after (linear: 1 + (g - 1) x, exponential: g ** x, x = min(v, over_steps) /
+    over_steps). From a run: `from_versions` draws each group from the stored groups (groups_from) of
+    the stored version nearest v, so the measured run's own growth replays. Default: no drift."""
+
+    response_growth: float = Field(
+        1.0, gt=0, description="factor on response_tokens.median (or a measured length) at over_steps"
+    )
+    turns_growth: float = Field(
+        1.0,
+        gt=0,
+        description="factor on the extra turns (turns_mean - 1) at over_steps; max_turns still cuts",
+    )
+    over_steps: int | None = Field(
+        None, ge=1, description="policy versions until the growth is reached (held after); default run.steps"
+    )
+    shape: Literal["linear", "exponential"] = "linear"
+    from_versions: bool = Field(
+        False, description="groups_from: draw stored groups of the stored version nearest the current one"
+    )
+    version_window: int = Field(
+        0, ge=0, description="from_versions: also the stored versions this far either side of the nearest"
+    )
+
+    @property
+    def parametric(self) -> bool:
+        return self.response_growth != 1.0 or self.turns_growth != 1.0
+
+
 class Workload(_Section):
     """Per sample: prompt tokens, then `turns` turns of (response tokens, tool call). Response tokens are
     lognormal per turn (a per-group factor exp(N(0, group_sigma)) makes hard prompts long for the whole
-    group); the total is cut at max_response_tokens, which gives the truncation spike."""
+    group); the total is cut at max_response_tokens, which gives the truncation spike. `drift` makes
+    the lengths and turns grow with the policy version (`Drift`)."""
 
     prompt_tokens: Lognormal = Lognormal(median=200, sigma=0.3)
     response_tokens: Lognormal = Lognormal(median=2000, sigma=1.0)
@@ -162,6 +196,21 @@ class Workload(_Section):
         description="a run's replay store (.sqlite): whole stored groups are resampled (every episode's "
         "prompt, turns, tool seconds and tool-output tokens, and the group's reward spread)",
     )
+    drift: Drift = Drift()
+
+    @model_validator(mode="after")
+    def _drift_applies(self) -> Workload:
+        d = self.drift
+        if d.from_versions and not self.groups_from:
+            raise ValueError("drift.from_versions needs workload.groups_from (a run's replay store)")
+        if d.parametric and self.groups_from:
+            raise ValueError(
+                "drift.response_growth / drift.turns_growth do not apply to stored groups "
+                "(workload.groups_from); use drift.from_versions to replay the run's own growth"
+            )
+        if d.turns_growth != 1.0 and (self.max_turns < 2 or self.turns_mean <= 1):
+            raise ValueError("drift.turns_growth needs extra turns: turns_mean > 1 and max_turns > 1")
+        return self
 
 
 class Batch(_Section):

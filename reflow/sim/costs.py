@@ -15,6 +15,7 @@ import random
 from dataclasses import dataclass
 
 from reflow.sim.config import DecodeCost, GpuSpec, ModelSpec, SyncCost, TrainCost, Workload
+from reflow.sim.drift import VersionedGroups, WorkloadDrift
 
 GB = 1e9
 
@@ -147,12 +148,16 @@ class GroupShape:
 
     samples: tuple[SampleShape, ...]
     spread: bool
+    version: int = 0
+    """The policy version the run started it at (its episodes' earliest)."""
 
 
 class LengthSampler:
     """Draws sample shapes for one group at a time from the workload's distributions (or from a list of
     measured response lengths, `lengths`, e.g. a replay store's, or whole stored groups, `groups`),
-    with its own seeded generator."""
+    with its own seeded generator. A group is drawn at the policy version it starts at: a parametric
+    `drift` scales its lengths and turns, and with the workload's `drift.from_versions` the stored
+    groups are those of the nearest stored version (reflow/sim/drift.py)."""
 
     def __init__(
         self,
@@ -160,45 +165,58 @@ class LengthSampler:
         seed: int,
         lengths: list[int] | None = None,
         groups: tuple[GroupShape, ...] | None = None,
+        drift: WorkloadDrift | None = None,
     ) -> None:
         self.w = workload
         self.rng = random.Random(seed)
         self.lengths = lengths
         self.groups = groups
+        self.drift = drift
+        self.by_version = (
+            VersionedGroups(groups, workload.drift.version_window)
+            if groups and workload.drift.from_versions
+            else None
+        )
 
     def _lognormal(self, median: float, sigma: float) -> float:
         return median * math.exp(self.rng.gauss(0.0, sigma)) if sigma > 0 else median
 
-    def group(self, n: int) -> list[SampleShape]:
-        return self.draw(n)[0]
+    def group(self, n: int, version: int = 0) -> list[SampleShape]:
+        return self.draw(n, version)[0]
 
-    def draw(self, n: int) -> tuple[list[SampleShape], bool | None]:
-        """n sample shapes for one group, and whether the group has no reward spread (None: unknown,
-        the caller draws it from `zero_spread_prob`). A stored group of another size gives n of its
-        episodes, drawn with replacement."""
+    def draw(self, n: int, version: int = 0) -> tuple[list[SampleShape], bool | None]:
+        """n sample shapes for one group started at policy `version`, and whether the group has no
+        reward spread (None: unknown, the caller draws it from `zero_spread_prob`). A stored group of
+        another size gives n of its episodes, drawn with replacement."""
         if self.groups:
-            g = self.rng.choice(self.groups)
+            pool = self.by_version.near(version) if self.by_version else self.groups
+            g = self.rng.choice(pool)
             samples = list(g.samples) if len(g.samples) == n else self.rng.choices(g.samples, k=n)
             return samples, not g.spread
         w = self.w
         factor = math.exp(self.rng.gauss(0.0, w.group_sigma)) if w.group_sigma > 0 else 1.0
-        return [self._sample(factor) for _ in range(n)], None
+        scale, turns_mean = 1.0, w.turns_mean
+        if self.drift is not None:  # the group's lengths and turns as of the version it starts at
+            scale = self.drift.response_factor(version)
+            turns_mean = self.drift.turns_mean(turns_mean, version)
+        return [self._sample(factor, scale, turns_mean) for _ in range(n)], None
 
-    def _sample(self, factor: float) -> SampleShape:
+    def _sample(self, factor: float, scale: float, turns_mean: float) -> SampleShape:
+        """One sample: `factor` is the group's length factor (group_sigma), `scale` the drift's."""
         w = self.w
         prompt = max(1, round(self._lognormal(w.prompt_tokens.median, w.prompt_tokens.sigma)))
         n_turns = 1
-        if w.max_turns > 1 and w.turns_mean > 1:
-            p_more = 1 - 1 / w.turns_mean  # geometric number of extra turns, mean turns_mean - 1
+        if w.max_turns > 1 and turns_mean > 1:
+            p_more = 1 - 1 / turns_mean  # geometric number of extra turns, mean turns_mean - 1
             while n_turns < w.max_turns and self.rng.random() < p_more:
                 n_turns += 1
         budget = w.max_response_tokens
         turns: list[int] = []
         for _ in range(n_turns):
             if self.lengths:
-                want = self.rng.choice(self.lengths)
+                want = self.rng.choice(self.lengths) * scale
             else:
-                want = self._lognormal(w.response_tokens.median * factor, w.response_tokens.sigma)
+                want = self._lognormal(w.response_tokens.median * factor * scale, w.response_tokens.sigma)
             tokens = min(budget, max(1, round(want)))
             turns.append(tokens)
             budget -= tokens

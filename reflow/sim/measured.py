@@ -156,7 +156,8 @@ def _processed_per_generated(groups: tuple[GroupShape, ...]) -> float:
 
 
 def load_groups(path: str) -> tuple[GroupShape, ...]:
-    """Every group of a run's replay store, as sample shapes (cached per file and modification time)."""
+    """Every group of a run's replay store, as sample shapes with the policy version it was started at
+    (cached per file and modification time)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"workload.groups_from: no replay store at {path}")
@@ -186,7 +187,8 @@ def _load_groups(path: str, _mtime: int) -> tuple[GroupShape, ...]:
                     obs_tokens=round(statistics.fmean(later)) if later else 0,
                 )
             )
-        out.append(GroupShape(tuple(samples), reward_spread(episodes) > 0))
+        version = min(e.policy_version_start for e in episodes)  # the version the group started at
+        out.append(GroupShape(tuple(samples), reward_spread(episodes) > 0, version))
     if not out:
         raise ConfigError(f"{path}: no stored episodes with turns")
     return tuple(out)

@@ -2,8 +2,10 @@
 `step_record` and `run_summary`): seconds_per_step, generated_tokens_per_s, new_trained_tokens_per_s
 (the tokens of groups trained for the first time: a step's fresh groups, as the store knows them),
 trained_tokens_per_s (every replay counted again), rollout_idle_ratio, trainer_idle_ratio, staleness_hist, reuse_hist, plus the simulator's own
-(steps_per_s, partial_ratio, the policy events). Per-step rates are steady-state: measured from the end
-of the warm-up steps to the end of the run, as one would read them off a long run's metrics.
+(steps_per_s, partial_ratio, the policy events, and the workload as sampled: response_tokens_mean and
+turns_mean per sample, also per step in the step records, where a drifting workload's growth shows).
+Per-step rates are steady-state: measured from the end of the warm-up steps to the end of the run, as
+one would read them off a long run's metrics.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 from reflow.metrics import idle_ratio
 from reflow.metrics import quantile as _quantile
 from reflow.sim.config import Scenario
+from reflow.sim.costs import SampleShape
 from reflow.sim.store import SimStore
 
 
@@ -42,9 +45,18 @@ class Recorder:
         self.retired_busy_s = 0.0
         self.retired_alive_s = 0.0
         self._created: dict[int, float] = {}
+        self.started_by_version: dict[int, list[int]] = {}  # version -> samples, generated, turns
 
     def generated(self, tokens: float) -> None:
         self.generated_tokens += tokens
+
+    def started(self, shapes: list[SampleShape], version: int) -> None:
+        """A group starts at `version` with these sample shapes: the workload as sampled, so a drifting
+        workload's growth shows per step without the bias of which groups finish first."""
+        counts = self.started_by_version.setdefault(version, [0, 0, 0])
+        counts[0] += len(shapes)
+        counts[1] += sum(sum(x.turns) for x in shapes)
+        counts[2] += sum(len(x.turns) for x in shapes)
 
     def tool(self, seconds: float) -> None:
         self.tool_s.append(seconds)
@@ -112,6 +124,7 @@ class Recorder:
     ) -> None:
         """A version boundary: one step record (`phase`: the trainer's wait and train seconds)."""
         busy, alive = self.rollout_busy(engines, now)
+        samples, generated, turns = self.started_by_version.get(version - 1, (0, 0, 0))
         self.steps.append(
             {
                 "step": len(self.steps) + 1,
@@ -129,6 +142,9 @@ class Recorder:
                 "train_gpus": train_gpus,
                 "trainer_wait_s": phase.get("wait_s", 0.0),
                 "train_s": phase.get("train_s", 0.0),
+                # per sample of the groups started at the version that just ended (None: none started)
+                "response_tokens_mean": generated / samples if samples else None,
+                "turns_mean": turns / samples if samples else None,
                 "_busy": (busy, alive, self.trainer_busy_s),
             }
         )
@@ -155,6 +171,7 @@ class Recorder:
         busy0, alive0, train0 = first["_busy"]
         busy1, alive1, train1 = last["_busy"]
         hist = store.reuse_histogram()
+        started = [sum(c[i] for c in self.started_by_version.values()) for i in range(3)]
         return {
             "mode": mode,
             "scenario": s.name,
@@ -186,6 +203,8 @@ class Recorder:
             "group_seconds_p99": _quantile(self.group_seconds, 0.99),
             "tool_latency_p50_ms": 1000 * _quantile(self.tool_s, 0.5),
             "tool_latency_p99_ms": 1000 * _quantile(self.tool_s, 0.99),
+            "response_tokens_mean": started[1] / max(1, started[0]),
+            "turns_mean": started[2] / max(1, started[0]),
             "wall_s": now,
             "events": self.events,
             "step_records": [{k: v for k, v in r.items() if not k.startswith("_")} for r in steps],

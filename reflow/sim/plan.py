@@ -5,7 +5,8 @@ table gives new tokens/s (groups trained for the first time) beside it, since th
 model of what a replay is worth against a new group. Results are simulated and say so.
 
 What it owns: the grid, the ranking and the table. The scenario (GPU, model, workload, costs) comes from
-the workload file with `--model-size` and `--gpus` applied on top.
+the workload file with `--model-size` and `--gpus` applied on top; a drifting workload (`workload.drift`)
+drifts the same way at every grid point, so each split is judged over the whole run's growth.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from reflow.sim.config import ModeConfig, Scenario
+from reflow.sim.drift import describe
 from reflow.sim.simulation import simulate
 
 SPLITS = (0.25, 0.5, 0.75)
@@ -89,6 +91,7 @@ def markdown(s: Scenario, rows: list[PlanRow], top: int = 5) -> str:
         f"recommended: {best.mode} {split} eta={best.eta} K={best.max_reuse or 1} "
         f"({best.trained_tok_s:.0f} trained tok/s with replays, {best.trained_tok_s / sync:.2f}x sync's; "
         f"{best.summary['new_trained_tokens_per_s'] / sync_new:.2f}x sync's new tok/s)",
+        *([f"{describe(s)}; {s.run.steps} steps"] if describe(s) else []),
         "",
         "| rank | mode | rollout:train | eta | K | new tok/s | vs sync (new tok/s) | "
         "trained tok/s (with replays) | vs sync (with replays) | s/step | rollout idle | "

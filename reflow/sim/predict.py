@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from reflow.sim.config import ModeConfig, Scenario
+from reflow.sim.drift import describe, drifts
 from reflow.sim.policies import SGLANG_TAIL
 from reflow.sim.simulation import simulate
 
@@ -49,13 +50,21 @@ def predict(s: Scenario) -> dict[str, dict[str, Any]]:
 
 
 def markdown(s: Scenario, rows: dict[str, dict[str, Any]]) -> str:
-    sync = rows["sync"]
+    """The comparison table; with a drifting workload, a line on the drift and two more columns: the
+    split at the first step against the last (the elastic policy's moves) and the mean response tokens
+    per sample of the groups started in the first and the last step."""
+    sync, drift = rows["sync"], drifts(s)
+    head = [f"{s.name}: {s.gpus} x {s.gpu.name}, {s.model.name} (simulated)"]
+    if drift:
+        head.append(f"{describe(s)}; {s.run.steps} steps, {s.run.warmup_steps} warm-up steps left out")
+    extra = " split step 1 -> last | resp. tok/sample step 1 -> last |" if drift else ""
     lines = [
-        f"{s.name}: {s.gpus} x {s.gpu.name}, {s.model.name} (simulated)",
+        *head,
         "",
         "| mode | split | new tok/s | vs sync (new tok/s) | trained tok/s (with replays) | "
-        "vs sync (with replays) | s/step | generated tok/s | rollout idle | trainer idle | staleness | replay |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "vs sync (with replays) | s/step | generated tok/s | rollout idle | trainer idle | staleness | replay |"
+        + extra,
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if drift else ""),
     ]
     for name, r in rows.items():
         split = "colocated" if r["mode"] == "sync" else f"{r['rollout_gpus']}:{r['train_gpus']}"
@@ -63,8 +72,21 @@ def markdown(s: Scenario, rows: dict[str, dict[str, Any]]) -> str:
             f"| {name} | {split} | {_rates(r, sync)} | {r['seconds_per_step']:.1f} | "
             f"{r['generated_tokens_per_s']:.0f} | {r['rollout_idle_ratio']:.2f} | "
             f"{r['trainer_idle_ratio']:.2f} | {r['staleness_mean']:.2f} | {r['replay_fraction']:.2f} |"
+            + (_drift_cells(r) if drift else "")
         )
     return "\n".join(lines)
+
+
+def _drift_cells(r: dict[str, Any]) -> str:
+    """The split and the mean response tokens per sample at the first and the last step."""
+    steps = r["step_records"]
+    first, last = steps[0], steps[-1]
+    split = "colocated"
+    if r["mode"] != "sync":
+        split = " -> ".join(f"{x['rollout_gpus']}:{x['train_gpus']}" for x in (first, last))
+    tokens = [x["response_tokens_mean"] for x in (first, last)]
+    resp = " -> ".join("-" if x is None else f"{x:.0f}" for x in tokens)
+    return f" {split} | {resp} |"
 
 
 def _rates(r: dict[str, Any], sync: dict[str, Any]) -> str:

@@ -28,6 +28,7 @@ from reflow.replay.planning import accepted_groups
 from reflow.sim import policies
 from reflow.sim.config import ModeConfig, Scenario
 from reflow.sim.costs import LengthSampler, decode_model, load_lengths
+from reflow.sim.drift import WorkloadDrift
 from reflow.sim.engines import Engine, GroupState, Request
 from reflow.sim.measured import load_groups
 from reflow.sim.metrics import Recorder
@@ -45,7 +46,7 @@ class Simulation:
         self.dm = decode_model(s.gpu, s.model, s.decode, colocated=self.colocated)
         lengths = load_lengths(s.workload.lengths_from) if s.workload.lengths_from else None
         groups = load_groups(s.workload.groups_from) if s.workload.groups_from else None
-        self.sampler = LengthSampler(s.workload, s.run.seed, lengths, groups)
+        self.sampler = LengthSampler(s.workload, s.run.seed, lengths, groups, WorkloadDrift.of(s))
         self.B = s.batch.groups
         rollout_gpus = s.gpus if self.colocated else (m.rollout_gpus or s.gpus // 2)
         self.engines = [Engine(i, self.dm) for i in range(rollout_gpus // s.decode.tp)]
@@ -152,7 +153,8 @@ class Simulation:
         n = self.s.batch.samples_per_group
         while self.free_slots() > 0 and self.admission_room() > 0:
             gid = f"g{next(self.groups)}"
-            shapes, zero = self.sampler.draw(n)
+            shapes, zero = self.sampler.draw(n, self.version)  # the workload as of the start version
+            self.rec.started(shapes, self.version)
             g = GroupState(gid, self.version, n, self.now, zero=zero)
             self.store.begin_group(gid, self.version)
             if self.rounds is not None:
