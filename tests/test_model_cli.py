@@ -136,6 +136,22 @@ def test_eval_plays_the_configs_env_kwargs_on_the_held_out_tasks(checkpoint, tmp
     assert "rl_headroom" not in greedy_only and greedy_only["success_rate"] == summary["success_rate"]
 
 
+def test_eval_says_when_episodes_hit_their_deadline(checkpoint, tmp_path):
+    """A wall-clock deadline makes the figure depend on the machine: the evaluation counts and says it."""
+    config = str(_config(tmp_path, str(checkpoint), max_steps=1, min_steps=1, deadline_s=1e-6))
+    stop = "rollout.stop=[e, a, o]"  # an untrained model's reply ends before its token budget: the env steps
+    out, summary = run("eval", "--config", config, "--model", str(checkpoint), stop)
+    # every sampled reply stopped early, so its env step came after the deadline; greedy replies may
+    # run to their token budget instead (no step, no deadline): counted as their statuses say
+    assert summary["timeouts"] == {"greedy": summary["statuses"].get("timeout", 0), "sampled": 6}
+    text = " ".join(out.stdout.split())
+    assert "6 of 6 sampled episodes hit their deadline" in text
+    assert "raise env.kwargs.deadline_s (now 1e-06 s) to measure the model alone" in text
+    plain_config = str(_config(tmp_path, str(checkpoint), max_steps=1, min_steps=1))
+    _, plain = run("eval", "--config", plain_config, "--model", str(checkpoint), stop, "eval.pass_at=0")
+    assert plain["timeouts"] == {"greedy": 0, "sampled": 0}
+
+
 def test_progress_lines_come_at_every_tenth_of_the_tasks_and_once_at_the_end():
     from reflow.rollout.collect import ProgressLines
 

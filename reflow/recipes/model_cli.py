@@ -65,7 +65,7 @@ async def play_held_out(
     on one in-process rollout worker; and the greedy half's seconds."""
     from reflow.console import console
     from reflow.models.adapters import is_adapter_folder
-    from reflow.rollout.collect import EVAL_SEED_BASE, ProgressLines, summarize, summary_line
+    from reflow.rollout.collect import EVAL_SEED_BASE, ProgressLines, deadline_note, summarize, summary_line
     from reflow.runtime.workers import RolloutWorker
 
     def say(line: str) -> None:
@@ -86,6 +86,8 @@ async def play_held_out(
         sampled = []
         if pass_at:  # the greedy figure now: a sampled half cut short (hours on a real model) keeps it
             say(f"greedy done: {summary_line(summarize(greedy, seconds))}")
+            if note := deadline_note(greedy, "greedy", _deadline_keys(config)):
+                say(note)
             t = config.rollout.temperature
             lines = ProgressLines(say, f"{pass_at} samples per task at temperature {t:g}")
             sampled = await worker.held_out(episodes, EVAL_SEED_BASE, t, pass_at, lines)
@@ -94,27 +96,42 @@ async def play_held_out(
     return greedy, sampled, seconds
 
 
+def _deadline_keys(config: RunConfig) -> str:
+    """The setting that gives an evaluation's episodes a wall-clock deadline (the env's; evaluation
+    runs no runner deadline), with its value."""
+    kwargs = config.env.kwargs if config.eval.env_kwargs is None else config.eval.env_kwargs
+    if (env_s := (kwargs or {}).get("deadline_s")) is not None:
+        return f"env.kwargs.deadline_s (now {env_s:g} s)"
+    return "env.kwargs.deadline_s (the env's registered deadline applies)"
+
+
 def evaluate_model(
     config: RunConfig, model_arg: str, episodes: int, pass_at: int, out: str | None = None
 ) -> dict[str, Any]:
     """Play, print a table and return the summary (`reflow eval`, and `reflow rollout --eval`)."""
     from reflow.console import console
-    from reflow.rollout.collect import rl_headroom, summarize, summary_line
+    from reflow.rollout.collect import deadline_note, rl_headroom, summarize, summary_line
 
     path = model_folder(model_arg)
     greedy, sampled, seconds = asyncio.run(play_held_out(config, path, episodes, pass_at))
     if out:
         write_records(greedy + sampled, out)
+    kwargs = config.env.kwargs if config.eval.env_kwargs is None else config.eval.env_kwargs
     summary: dict[str, Any] = {
         "env_id": config.env.id,
-        "env_kwargs": config.env.kwargs if config.eval.env_kwargs is None else config.eval.env_kwargs,
+        "env_kwargs": kwargs,
         "model": path,
         **summarize(greedy, seconds),
-    }
+        "timeouts": {"greedy": sum(r.status == "timeout" for r in greedy),
+                     "sampled": sum(r.status == "timeout" for r in sampled)},
+    }  # fmt: skip
     console.print(
         f"[bold]{config.env.id}[/bold] with {path}: {summary['episodes']} held-out tasks, greedy "
         f"{summary_line(summary)}"
     )
+    for records, half in ((greedy, "greedy"), (sampled, "sampled")):
+        if note := deadline_note(records, half, _deadline_keys(config)):
+            console.print(f"[yellow]{note}[/yellow]", highlight=False)
     if sampled:
         room = rl_headroom(greedy, sampled)
         summary["rl_headroom"] = room

@@ -98,6 +98,19 @@ def summary_line(summary: dict[str, Any]) -> str:
     )
 
 
+def deadline_note(records: list[EpisodeRecord], half: str, keys: str) -> str | None:
+    """A warning when episodes of an evaluation ended at their wall-clock deadline (status timeout):
+    their count depends on the machine's speed and load, not only on the model; None when none did.
+    `keys`: the settings that set the deadline, for the user to raise."""
+    n = sum(r.status == "timeout" for r in records)
+    if not n:
+        return None
+    return (
+        f"{n} of {len(records)} {half} episodes hit their deadline: a slower or busier machine cuts more "
+        f"of them short and the figure drops; raise {keys} to measure the model alone"
+    )
+
+
 def rl_headroom(greedy: list[EpisodeRecord], sampled: list[EpisodeRecord]) -> dict[str, Any]:
     """How much greedy success RL can add: the share of tasks greedy decoding fails while at least one
     of their sampled episodes succeeds.
