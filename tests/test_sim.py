@@ -428,7 +428,8 @@ def test_plan_ranks_the_grid_and_a_clearly_better_split_wins():
         run={"steps": 4, "warmup_steps": 1, "seed": 3},
     )
     rows = plan(s, splits=(0.25, 0.75), etas=(1,), reuse=(1, 2))
-    assert len(rows) == 1 + 2 * (1 + 2)  # sync, then per split: async and reflow at each K
+    # sync, then per split and lending off / on: async and reflow at each K
+    assert len(rows) == 1 + 2 * 2 * (1 + 2)
     assert [r.trained_tok_s for r in rows] == sorted((r.trained_tok_s for r in rows), reverse=True)
     assert rows[0].rollout_gpus == 6 and rows[0].train_gpus == 2
     best_small = max(r.trained_tok_s for r in rows if r.rollout_gpus == 2)

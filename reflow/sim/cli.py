@@ -275,7 +275,7 @@ def _from_run(args: argparse.Namespace) -> int:
             table.add_row(
                 r.name, f"{r.measured:.4g}", f"{r.simulated:.4g}", err if r.passed else f"[red]{err}[/red]"
             )
-        for key in SHOWN[len(c.rows) :]:
+        for key in [k for k in c.simulated if k not in SHOWN[: len(c.rows)]]:
             table.add_row(key, f"{m.extra.get(key, float('nan')):.4g}", f"{c.simulated[key]:.4g}", "")
         console.print(table)
         costs = ", ".join(f"{k} {v:.4g}" for k, v in m.costs.items())

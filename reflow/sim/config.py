@@ -133,6 +133,13 @@ class SyncCost(_Section):
         "counts in the generation phase, as verl's `gen` timing does",
     )
     role_change_s: float = Field(60.0, ge=0, description="cold start of an engine or trainer rank")
+    lend_switch_s: float = Field(
+        0.0,
+        ge=0,
+        description="lending (mode.elastic_config.lend): assumed seconds to hand a train GPU between the "
+        "trainer and its lent engine, each way (the engine's KV and weights offloaded before a step it "
+        "yields to, onloaded before it decodes again); 0: CPU-like sharing, nothing to move",
+    )
 
 
 class Lognormal(_Section):
@@ -260,7 +267,16 @@ class ModeConfig(_Section):
     def _one_bound(self) -> ModeConfig:
         if self.eta is not None and self.staleness_threshold is not None:
             raise ValueError("give eta or staleness_threshold, not both")
+        if self.lends and (self.mode not in ("async", "reflow") or self.staleness_threshold is not None):
+            raise ValueError(
+                "elastic_config.lend needs mode async or reflow with eta (a lent engine runs on past eta)"
+            )
         return self
+
+    @property
+    def lends(self) -> bool:
+        """Whether each trainer GPU group holds an engine to lend (reflow/sim/lending.py)."""
+        return bool(self.elastic_config.get("lend"))
 
 
 class RunSpec(_Section):

@@ -46,13 +46,16 @@ class GroupState:
     partial: bool = False
     zero: bool | None = None
     """Whether it has no reward spread, when the sampler knows (a stored group); None: draw it."""
+    lent: Engine | None = None
+    """The lent engine it runs on (every turn of every sample), None: the rollout engines'."""
 
 
 class Engine:
     """One rollout engine (tp GPUs): its running sequences as processor sharing with a service counter S."""
 
-    def __init__(self, eid: int, dm: DecodeModel) -> None:
+    def __init__(self, eid: int, dm: DecodeModel, lent: bool = False) -> None:
         self.eid, self.dm = eid, dm
+        self.lent = lent  # an engine lent beside a trainer rank (reflow/sim/lending.py), not a rollout slot
         self.running: list[tuple[float, int, Request]] = []  # heap of (S at which the turn ends, id, req)
         self.S = 0.0
         self.base = 0.0  # sum over running of (ctx_i - s0_i): context = base + b * S

@@ -3,10 +3,10 @@
 What it owns: the scenario built from a `RunMeasurement` (reflow/sim/measured.py) — the run's slots as
 devices, its engines as constant-rate servers at their measured busy tokens/s, its trainer at its
 measured tokens/s, its sync seconds, its stored groups resampled (shapes, turns, tool seconds, reward
-spread), and its own policy settings (mode, eta, the replay cycle, the elastic and tail sections, the
-runtime's group limit per rollout worker, the sync loop's resample rounds) — and the comparison:
-the run's steps/s, trained tokens/s and idle ratios against the simulated ones, averaged over a few
-simulator seeds. Rates are compared relatively; idle ratios (shares of time) by their difference.
+spread), and its own policy settings (mode, eta, the replay cycle, the elastic and tail sections, lending among
+them, the runtime's group limit per rollout worker, the sync loop's resample rounds) — and the
+comparison: the run's steps/s, trained tokens/s and idle ratios against the simulated ones, averaged
+over a few simulator seeds (a lending run's lent busy seconds and yields shown beside them). Rates are compared relatively; idle ratios (shares of time) by their difference.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from reflow.config import policy_active
 from reflow.sim.config import Scenario, validate_scenario
-from reflow.sim.measured import FIGURES, RunMeasurement
+from reflow.sim.measured import FIGURES, LENDING, RunMeasurement
 from reflow.sim.simulation import simulate
 
 TOLERANCE = 0.15
@@ -62,6 +62,8 @@ def scenario_for(m: RunMeasurement, seed: int = 0) -> Scenario:
         "elastic_config": _known(ElasticConfig, cfg.get("elastic") or {}),
         "groups_per_engine": max(1, max_batch // n),
     }
+    if m.mode not in ("async", "reflow"):  # only the decoupled loop feeds lent engines
+        mode["elastic_config"].pop("lend", None)
     if sync:
         mode["resample_rounds"] = int(rollout.get("max_resample_rounds", 0))
         del mode["eta"]
@@ -150,7 +152,8 @@ SHOWN = (
 def compare(m: RunMeasurement, seeds: int = SEEDS) -> RunComparison:
     """Simulate the measured run with `seeds` simulator seeds and compare the mean with the run."""
     runs = [simulate(scenario_for(m, seed)) for seed in range(seeds)]
-    sim = {k: statistics.fmean(float(r[k]) for r in runs) for k in SHOWN if k != "groups_generated_per_step"}
+    shown = [*SHOWN, *(k for k in LENDING if k in runs[0])]  # a lending run's counters too
+    sim = {k: statistics.fmean(float(r[k]) for r in runs) for k in shown}
     rows = [FigureRow(k, m.figures[k], sim[k]) for k in FIGURES]
     return RunComparison(m, rows, sim)
 

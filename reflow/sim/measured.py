@@ -28,6 +28,8 @@ from reflow.sim.costs import GroupShape, SampleShape
 
 FIGURES = ("steps_per_s", "trained_tokens_per_s", "rollout_idle_ratio", "trainer_idle_ratio")
 """What --from-run predicts and compares."""
+LENDING = ("lent_busy_s", "lent_yields")
+"""A lending run's counters (its summary's, whole-run), shown beside the figures."""
 
 
 @dataclass
@@ -92,10 +94,13 @@ def measure(run_dir: str | Path) -> RunMeasurement:
     summary = next((r for r in reversed(rows) if r.get("kind") == "summary"), {})
     groups = load_groups(str(run_dir / "replay.sqlite"))
     processed_per_generated = _processed_per_generated(groups)
+    # a lent engine's tokens are in the generated count: its seconds join the rollout slots' (as the
+    # elastic policy measures r), the engines being alike
+    lent_busy = float(summary.get("lent_busy_s") or 0.0)
     costs = {
         "rollout_slots": n_rollout,
         "train_slots": n_train,
-        "engine_tokens_per_s": float(last["generated_tokens"]) / max(rollout_busy, 1e-9),
+        "engine_tokens_per_s": float(last["generated_tokens"]) / max(rollout_busy + lent_busy, 1e-9),
         "trainer_tokens_per_s": processed_per_generated
         * sum(float(r["trained_tokens"]) for r in steps)
         / max(sum(train), 1e-9),
@@ -120,6 +125,8 @@ def measure(run_dir: str | Path) -> RunMeasurement:
         "trainer_wait_s": _mean(steps, "trainer_wait_s"),  # the sync loop does not report it
         "staleness_mean": _mean(steps, "staleness_mean"),
     }
+    if (config.get("elastic") or {}).get("lend"):  # the lending counters of the run's summary
+        extra.update({k: float(summary.get(k, math.nan)) for k in LENDING})
     return RunMeasurement(
         run_dir, config, str(config.get("mode", "sync")), int(last["step"]), wall, figures, costs, extra
     )

@@ -1,5 +1,6 @@
 """The planning helper (`reflow simulate --plan`): a small grid over the rollout:train split, the staleness
-bound eta and the reuse cap K, each point simulated with the runtime's own policies (async: admission
+bound eta, the reuse cap K and lending (each trainer GPU group's engine lent while the trainer waits,
+reflow/sim/lending.py, on or off), each point simulated with the runtime's own policies (async: admission
 control; reflow: plus the dual replay cycle), ranked by predicted trained tokens/s with replays; the
 table gives new tokens/s (groups trained for the first time) beside it, since the simulator has no
 model of what a replay is worth against a new group. Results are simulated and say so.
@@ -24,6 +25,9 @@ SPLITS = (0.25, 0.5, 0.75)
 ETAS = (1, 2)
 REUSE = (1, 2)
 """Reuse caps K (CycleConfig.max_reuse) tried for reflow; K = 1 trains every sample once."""
+LEND = (False, True)
+"""Lending tried off and on (static: every train slot lends, at the scenario's or the policy's
+default `lend_overhead`; the elastic policy, which would reclaim where it does not pay, is off)."""
 
 
 @dataclass
@@ -34,6 +38,7 @@ class PlanRow:
     eta: int | None
     max_reuse: int | None
     summary: dict[str, Any]
+    lend: bool = False
 
     @property
     def trained_tok_s(self) -> float:
@@ -67,17 +72,22 @@ def plan(
     splits: tuple[float, ...] = SPLITS,
     etas: tuple[int, ...] = ETAS,
     reuse: tuple[int, ...] = REUSE,
+    lend: tuple[bool, ...] = LEND,
 ) -> list[PlanRow]:
     """Every grid point plus the colocated sync baseline, best predicted trained tokens/s first."""
     cycle = dict(s.mode.cycle) if s.mode.mode == "reflow" else {}
     rows = [PlanRow("sync", None, None, 0, None, simulate(s, ModeConfig(mode="sync")))]
     for r in rollout_gpu_choices(s, splits):
         for eta in etas:
-            mode = ModeConfig(mode="async", rollout_gpus=r, eta=eta)
-            rows.append(PlanRow("async", r, s.gpus - r, eta, None, simulate(s, mode)))
-            for k in reuse:
-                mode = ModeConfig(mode="reflow", rollout_gpus=r, eta=eta, cycle={**cycle, "max_reuse": k})
-                rows.append(PlanRow("reflow", r, s.gpus - r, eta, k, simulate(s, mode)))
+            for lends in lend:
+                # lending's knobs (lend_overhead) as the scenario gives them, else the policy's defaults
+                lending = {"elastic_config": {**s.mode.elastic_config, "lend": True}} if lends else {}
+                mode = ModeConfig(mode="async", rollout_gpus=r, eta=eta, **lending)
+                rows.append(PlanRow("async", r, s.gpus - r, eta, None, simulate(s, mode), lends))
+                for k in reuse:
+                    k_cycle = {**cycle, "max_reuse": k}
+                    mode = ModeConfig(mode="reflow", rollout_gpus=r, eta=eta, cycle=k_cycle, **lending)
+                    rows.append(PlanRow("reflow", r, s.gpus - r, eta, k, simulate(s, mode), lends))
     return sorted(rows, key=lambda row: -row.trained_tok_s)
 
 
@@ -89,14 +99,15 @@ def markdown(s: Scenario, rows: list[PlanRow], top: int = 5) -> str:
     lines = [
         f"plan for {s.name}: {s.gpus} x {s.gpu.name}, {s.model.name} (simulated)",
         f"recommended: {best.mode} {split} eta={best.eta} K={best.max_reuse or 1} "
+        f"lending {'on' if best.lend else 'off'} "
         f"({best.trained_tok_s:.0f} trained tok/s with replays, {best.trained_tok_s / sync:.2f}x sync's; "
         f"{best.summary['new_trained_tokens_per_s'] / sync_new:.2f}x sync's new tok/s)",
         *([f"{describe(s)}; {s.run.steps} steps"] if describe(s) else []),
         "",
-        "| rank | mode | rollout:train | eta | K | new tok/s | vs sync (new tok/s) | "
+        "| rank | mode | rollout:train | eta | K | lend | new tok/s | vs sync (new tok/s) | "
         "trained tok/s (with replays) | vs sync (with replays) | s/step | rollout idle | "
         "trainer idle | staleness | replay |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     shown = rows[:top] + [r for r in rows[top:] if r.mode == "sync"]
     for r in shown:
@@ -104,7 +115,7 @@ def markdown(s: Scenario, rows: list[PlanRow], top: int = 5) -> str:
         split = "colocated" if r.mode == "sync" else f"{r.rollout_gpus}:{r.train_gpus}"
         rank = rows.index(r) + 1
         lines.append(
-            f"| {rank} | {r.mode} | {split} | {r.eta} | {r.max_reuse or 1} | "
+            f"| {rank} | {r.mode} | {split} | {r.eta} | {r.max_reuse or 1} | {'on' if r.lend else 'off'} | "
             f"{m['new_trained_tokens_per_s']:.0f} | {m['new_trained_tokens_per_s'] / sync_new:.2f}x | "
             f"{r.trained_tok_s:.0f} | {r.trained_tok_s / sync:.2f}x | {m['seconds_per_step']:.1f} | {m['rollout_idle_ratio']:.2f} | "
             f"{m['trainer_idle_ratio']:.2f} | {m['staleness_mean']:.2f} | {m['replay_fraction']:.2f} |"

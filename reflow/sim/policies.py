@@ -34,6 +34,9 @@ from reflow.policy.tail_actions import FreeSlot, Migrate, SetConcurrency
 from reflow.sim.config import ModeConfig, Scenario
 from reflow.sim.costs import DecodeModel, role_change_s
 from reflow.sim.engines import Engine, Request
+from reflow.sim.lending import SimLending
+from reflow.sim.metrics import Recorder
+from reflow.sim.store import SimStore
 from reflow.sim.training import SimTrainer
 
 
@@ -76,6 +79,8 @@ class ElasticCounters(NamedTuple):
     samples_trained: float
     replayed_groups: float
     groups_trained: float
+    lent_busy_s: float = 0.0
+    """Summed over the lent engines: their generating seconds (reflow/sim/lending.py)."""
 
 
 @dataclass
@@ -89,6 +94,55 @@ class ElasticSlots:
     batch_size: float
     fresh_waiting: int
     in_flight: int
+    lent_slots: int = 0
+    """Train slots lending their engine now (l)."""
+    lendable_slots: int = 0
+    """Train slots holding an engine to lend (0: lending off)."""
+
+
+class BoundaryView(Protocol):
+    """What `elastic_inputs` reads of the simulation (`reflow.sim.simulation.Simulation`)."""
+
+    s: Scenario
+    now: float
+    engines: list[Engine]
+    trainer: SimTrainer
+    lending: SimLending | None
+    rec: Recorder
+    store: SimStore
+    B: int
+
+    @property
+    def version(self) -> int: ...
+
+
+def elastic_inputs(sim: BoundaryView) -> tuple[ElasticCounters, ElasticSlots]:
+    """The simulation's counters and slots at a version boundary, for `ElasticStep.at_boundary`."""
+    rec = sim.rec
+    busy, alive = rec.rollout_busy(sim.engines, sim.now)
+    counters = ElasticCounters(
+        sim.now,
+        busy,
+        alive,
+        rec.samples_generated,
+        rec.trainer_busy_s,
+        rec.samples_trained,
+        rec.replayed_groups,
+        rec.groups_trained,
+        sim.lending.busy_s() if sim.lending is not None else 0.0,
+    )
+    slots = ElasticSlots(
+        step=len(rec.steps),
+        version=sim.version,
+        rollout_slots=sum(e.alive for e in sim.engines),
+        train_slots=sim.trainer.train_gpus // sim.s.decode.tp,
+        batch_size=float(sim.B * sim.s.batch.samples_per_group),
+        fresh_waiting=sim.store.fresh_count(),
+        in_flight=sim.store.in_flight(),
+    )
+    if sim.lending is not None:
+        slots.lent_slots, slots.lendable_slots = sim.lending.lent_slots(), sim.lending.lendable()
+    return counters, slots
 
 
 class ElasticStep:
@@ -110,10 +164,12 @@ class ElasticStep:
         last = self.last or (0.0,) * len(counters)
         self.last = counters
         d = [a - b for a, b in zip(counters, last, strict=True)]
-        dt, d_busy, d_alive, d_gen, d_train_busy, d_trained, d_replay, d_groups = d
+        dt, d_busy, d_alive, d_gen, d_train_busy, d_trained, d_replay, d_groups, d_lent = d
         # the rollout slot-seconds offered are counted (engines came and went): no ordering check on
         # the differences, whose sums over engines may lose an ulp when one retires
-        interval = Interval(dt, d_busy, d_gen, d_train_busy, d_trained, rollout_offered_s=d_alive)
+        interval = Interval(
+            dt, d_busy, d_gen, d_train_busy, d_trained, rollout_offered_s=d_alive, lent_busy_s=d_lent
+        )
         obs = observe(
             interval,
             step=slots.step,
@@ -127,10 +183,13 @@ class ElasticStep:
             in_flight=slots.in_flight,
             to_rollout_cost=self.cost_to_rollout,
             to_train_cost=self.cost_to_train,
+            lent_slots=slots.lent_slots,
+            lendable_slots=slots.lendable_slots,
         )
         decision = self.policy.decide(obs)
         event = {"kind": "elastic", "t": counters.now, **decision_event(decision, obs)}
-        if decision.action in ("lend", "reclaim"):  # no lendable slot is observed: never asked yet
+        if decision.action in ("lend", "reclaim"):
+            self.changed_at = slots.step  # the next change waits its dwell, as in the runtime
             return {**event, **actuator.lend(decision)}
         if not decision.moves:
             return event
@@ -264,6 +323,7 @@ class SimulatedCluster(Protocol):
     now: float
     engines: list[Engine]
     trainer: SimTrainer
+    lending: SimLending | None
 
     def push(self, at: float, kind: str, obj: Any = None, token: int = 0) -> None: ...
     def recount(self) -> None: ...
@@ -305,9 +365,14 @@ class SimActuator:
         return RoleChangeCost(actor_start_s=cost)
 
     def lend(self, decision: ElasticDecision) -> dict[str, Any]:
-        """Lending is not modelled by the simulator yet (its scenarios keep lending off: no slot
-        is lendable, so the policy never asks); refused, and logged as not applied."""
-        return {"applied": False, "error": "the simulator does not model lending yet"}
+        """`decision.lent_slots` train slots lend their engine from now (reflow/sim/lending.py): a
+        reclaimed engine takes no new group, its groups in flight run on while the trainer waits.
+        Refused where the scenario lends nothing (no lendable slot: the policy does not ask)."""
+        lending = self.cluster.lending
+        if lending is None:
+            return {"applied": False, "error": "the scenario lends no engine (mode.elastic_config.lend)"}
+        lending.set_lending(decision.lent_slots)
+        return {"applied": True}
 
     def migrate(self, action: Migrate) -> dict[str, Any]:
         """The sequence leaves its engine and lands on the target after re-prefilling its prefix."""

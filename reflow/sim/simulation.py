@@ -30,6 +30,7 @@ from reflow.sim.config import ModeConfig, Scenario
 from reflow.sim.costs import LengthSampler, decode_model, load_lengths
 from reflow.sim.drift import WorkloadDrift
 from reflow.sim.engines import Engine, GroupState, Request
+from reflow.sim.lending import SimLending
 from reflow.sim.measured import load_groups
 from reflow.sim.metrics import Recorder
 from reflow.sim.store import SimStore
@@ -60,6 +61,7 @@ class Simulation:
         tail = policies.make_tail(m) if m.tail else None
         self.tail = tail
         self.tail_gate = policies.SimTailGate(tail, self.B) if tail is not None else None
+        self.lending = SimLending.of(self)  # engines lent beside the trainer ranks, or None
         self.actuator = policies.SimActuator(self)  # what applies the policies' decisions
         self.events: list[tuple[float, int, str, object, int]] = []
         self.seq = itertools.count()
@@ -73,6 +75,8 @@ class Simulation:
             "trained": self.trainer.on_trained,
             "synced": self.trainer.on_synced,
         }
+        if self.lending is not None:
+            self.handlers["lend"] = self.lending.on_lend
         self.queue: deque[Request] = deque()
         self.groups = itertools.count()
         self.requests_out = 0  # requests on engines, queued or in a tool call
@@ -104,7 +108,10 @@ class Simulation:
             self.handlers[kind](obj, token)
         for e in self.engines:
             e.advance(self.now)
-        return self.rec.summary(self.s, self.m.mode, self.store, self.now)
+        out = self.rec.summary(self.s, self.m.mode, self.store, self.now)
+        if self.lending is not None:
+            out.update(self.lending.summary(self.rec.steps, self.s.run.warmup_steps))
+        return out
 
     def reschedule(self, e: Engine) -> None:
         e.token += 1
@@ -114,15 +121,18 @@ class Simulation:
 
     # ---- rollout
 
-    def admission_room(self) -> int:
+    def admission_room(self, lent: bool = False) -> int:
+        """Groups that may start now: on the rollout engines, or (`lent`) on lent engines, which have
+        their own group limit and are not under the tail gate."""
         if self.trainer.draining or self.trainer.syncing:
             return 0
         if self.rounds is not None:  # the sync loop's rounds instead of admission control
             return self.rounds.left()
         cap = self.m.groups_per_engine
-        if cap is not None and not self.colocated:
+        on_lent = len(self.lending.groups) if self.lending is not None else 0
+        if cap is not None and not self.colocated and not lent:
             alive = sum(e.alive for e in self.engines)
-            if self.store.in_flight() >= cap * alive:
+            if self.store.in_flight() - on_lent >= cap * alive:
                 return 0
         # As the runtime's driver asks it (reflow/recipes/decoupled.py): at the engines' version, with
         # the fresh groups the first `version` steps trained (fewer than version * B when replay filled).
@@ -131,9 +141,12 @@ class Simulation:
         room = self.admission.room(
             self.version * self.version_scale, accepted, self.store.in_flight(), trained
         )
-        if self.tail_gate is not None and room > 0:  # the runtime's tail gate: at most B + delta a batch
+        if self.tail_gate is not None and room > 0 and not lent:  # at most B + delta a batch
             done = self.store.reuse_histogram(spread=True).get(0, 0)  # fresh groups with spread, not trained
-            room = min(room, self.tail_gate(done, self.store.in_flight_groups(), self.rec.group_seconds))
+            running = self.store.in_flight_groups()
+            if on_lent:  # the gate sees the rollout engines' groups, as the runtime's does
+                running = {g: v for g, v in running.items() if g not in self.lending.groups}
+            room = min(room, self.tail_gate(done, running, self.rec.group_seconds))
         return room
 
     def recount(self) -> None:
@@ -150,25 +163,35 @@ class Simulation:
 
     def fill(self) -> None:
         """Start groups while admission control has room and the engines could take more work."""
-        n = self.s.batch.samples_per_group
         while self.free_slots() > 0 and self.admission_room() > 0:
-            gid = f"g{next(self.groups)}"
-            shapes, zero = self.sampler.draw(n, self.version)  # the workload as of the start version
-            self.rec.started(shapes, self.version)
-            g = GroupState(gid, self.version, n, self.now, zero=zero)
-            self.store.begin_group(gid, self.version)
-            if self.rounds is not None:
-                self.rounds.start()
-            for shape in shapes:
-                req = Request(g, shape, ctx=shape.prompt, left=shape.turns[0], started_at=self.now)
-                g.tokens += shape.prompt + sum(shape.turns) + shape.obs_tokens * (len(shape.turns) - 1)
-                g.generated += sum(shape.turns)
-                self.requests_out += 1
-                self.prefilling += 1
-                self.push(self.now + shape.prompt * self.dm.prefill_s_per_token, "ready", req)
+            self.start_group()
         self.dispatch()
+        if self.lending is not None:  # and on lent engines, if the trainer waits
+            self.lending.poke()
+
+    def start_group(self, lent: Engine | None = None) -> GroupState:
+        """One group starts: on the rollout engines, or on the `lent` engine for all its turns."""
+        n = self.s.batch.samples_per_group
+        gid = f"g{next(self.groups)}"
+        shapes, zero = self.sampler.draw(n, self.version)  # the workload as of the start version
+        self.rec.started(shapes, self.version)
+        g = GroupState(gid, self.version, n, self.now, zero=zero, lent=lent)
+        self.store.begin_group(gid, self.version)
+        if self.rounds is not None:
+            self.rounds.start()
+        for shape in shapes:
+            req = Request(g, shape, ctx=shape.prompt, left=shape.turns[0], started_at=self.now)
+            g.tokens += shape.prompt + sum(shape.turns) + shape.obs_tokens * (len(shape.turns) - 1)
+            g.generated += sum(shape.turns)
+            self.requests_out += 1
+            self.prefilling += lent is None  # the rollout engines' count (`free_slots`)
+            self.push(self.now + shape.prompt * self.dm.prefill_s_per_token, "ready", req)
+        return g
 
     def on_ready(self, req: Request, _token: int) -> None:
+        if req.group.lent is not None:
+            self.lending.ready(req)
+            return
         self.prefilling -= 1
         # Later turns and resubmitted prefixes go first: their groups are the furthest along.
         if req.turn or req.resumed or not self.queue:
@@ -251,15 +274,18 @@ class Simulation:
             e.base -= req.ctx - req.s0
             e.reserved -= req.ctx + req.left
             req.engine = None
-            self.n_running -= 1
+            self.n_running -= not e.lent  # the rollout engines' count
             self.rec.generated(req.left)
             self.finish_turn(req)
-        self.offer(e)
-        if self.blocked:  # only this engine has more room than when the queue's head last fit nowhere
-            self.admit_into(e)
+        if e.lent:
+            self.lending.admit(e)
         else:
-            self.dispatch()
-        self.reschedule(e)
+            self.offer(e)
+            if self.blocked:  # only this engine has more room than when the queue's head last fit nowhere
+                self.admit_into(e)
+            else:
+                self.dispatch()
+            self.reschedule(e)
         self.fill()
 
     def finish_turn(self, req: Request) -> None:
@@ -268,7 +294,7 @@ class Simulation:
             req.ctx += req.left + shape.obs_tokens
             req.turn += 1
             req.left = shape.turns[req.turn]
-            self.prefilling += 1
+            self.prefilling += req.group.lent is None
             delay = shape.tool_s[req.turn - 1] + shape.obs_tokens * self.dm.prefill_s_per_token
             self.rec.tool(shape.tool_s[req.turn - 1])
             self.push(self.now + delay, "ready", req)
@@ -288,6 +314,8 @@ class Simulation:
         meta = {"tokens": g.tokens, "generated": g.generated, "partial": g.partial}
         self.store.add(g.gid, g.version, 0.0 if zero else 1.0, meta)
         self.rec.group(self.now - g.started_at, self.s.batch.samples_per_group)
+        if g.lent is not None:
+            self.lending.stored(g)
         if self.rounds is not None:
             self.rounds.done(not zero)
         if self.tail is not None:
@@ -311,7 +339,7 @@ class Simulation:
 
     def pause_engines(self) -> list[Engine]:
         """Every engine stops at the sync; the trainer wakes them (`wake`) once the weights are in."""
-        paused = list(self.engines)
+        paused = list(self.engines) + (self.lending.engines if self.lending is not None else [])
         for e in paused:
             e.advance(self.now)
             e.paused += 1
@@ -344,34 +372,16 @@ class Simulation:
         tr = self.trainer
         tp = self.s.decode.tp
         self.rec.version(self.now, self.version, self.engines, tp, tr.train_gpus, tr.share.share, tr.phase)
+        if self.lending is not None:
+            self.lending.mark()
         if self.elastic is not None:
             self.elastic_step()
         if self.tail is not None:
             self.tail_step()
 
     def elastic_step(self) -> None:
-        rec = self.rec
-        busy, alive = rec.rollout_busy(self.engines, self.now)
-        counters = policies.ElasticCounters(
-            self.now,
-            busy,
-            alive,
-            rec.samples_generated,
-            rec.trainer_busy_s,
-            rec.samples_trained,
-            rec.replayed_groups,
-            rec.groups_trained,
-        )
-        slots = policies.ElasticSlots(
-            step=len(rec.steps),
-            version=self.version,
-            rollout_slots=sum(e.alive for e in self.engines),
-            train_slots=self.trainer.train_gpus // self.s.decode.tp,
-            batch_size=float(self.B * self.s.batch.samples_per_group),
-            fresh_waiting=self.store.fresh_count(),
-            in_flight=self.store.in_flight(),
-        )
-        rec.event(self.elastic.at_boundary(counters, slots, self.actuator))
+        counters, slots = policies.elastic_inputs(self)
+        self.rec.event(self.elastic.at_boundary(counters, slots, self.actuator))
 
     def tail_step(self) -> None:
         """The tail policy's engine-level actions on the running batch (none until its tail)."""

@@ -25,6 +25,7 @@ from reflow.replay.planning import consume, plan_batch
 from reflow.sim.config import ModeConfig, Scenario
 from reflow.sim.costs import DecodeModel, sync_s, train_s
 from reflow.sim.engines import Engine
+from reflow.sim.lending import SimLending
 from reflow.sim.metrics import Recorder
 from reflow.sim.store import SimStore
 
@@ -74,6 +75,7 @@ class RolloutSide(Protocol):
     dm: DecodeModel
     colocated: bool
     rounds: SyncRounds | None
+    lending: SimLending | None
     store: SimStore
     rec: Recorder
     now: float
@@ -171,6 +173,8 @@ class SimTrainer:
             colocated=self.colocated,
             fixed_share=1 / self.trigger,
         )
+        if sim.lending is not None:  # lent engines yield (or run on past eta) beside a slower trainer
+            dt = sim.lending.step_starts(self.version, dt)
         if self.wait_since is not None:
             self.version_wait += sim.now - self.wait_since
             self.wait_since = None

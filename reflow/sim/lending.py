@@ -1,0 +1,260 @@
+"""Lending in the simulator: the rollout engine beside each trainer GPU group, lent while the trainer
+waits, as the runtime lends with `elastic.lend` (reflow/runtime/lending.py `LentEngines`; the pipeline
+model and the yield rule are reflow/policy/lending.py's).
+
+What it owns: the lent engines (one per trainer GPU group at the start, train GPUs / decode.tp, with
+the rollout engines' DecodeCost and the colocated KV share, since the trainer's state holds the rest
+of the GPU); how many of them lend now (the elastic policy's l, which `SimActuator.lend` sets; all
+from the start, as in the runtime); their groups (a lent group runs every turn of every sample on its
+engine); when they take groups (only while no train step runs, under the same admission control as
+the rollout engines, not under the tail gate, whose B + delta is the rollout engines' share); their
+yield at each step start (requests paused with their tokens, resumed once the trainer waits again, on
+the weights of then; an engine whose oldest group is more than eta versions old runs on beside the
+step instead: `lent_engine_yields`); the trainer's slowdown beside a lending slot (its rate times
+1 - `elastic_config.lend_overhead`); the assumed cost of handing a GPU over (`sync.lend_switch_s`, each
+way); and the counters a run reports (busy and stored seconds, yields, run-ons, groups).
+
+A slot that joins the trainer later (an elastic move) lends no engine: the runtime places its lent
+engines beside the trainer ranks it starts with.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+from reflow.metrics import idle_ratio
+from reflow.policy.elastic import ElasticConfig
+from reflow.policy.lending import lent_engine_yields
+from reflow.sim.config import ModeConfig, Scenario
+from reflow.sim.costs import decode_model
+from reflow.sim.engines import Engine, GroupState, Request
+from reflow.sim.metrics import Recorder
+
+LENT_EID = 1_000_000
+"""Lent engines' ids start here (rollout engines count from 0): they never meet in one heap, but the
+ids stay unique in events and traces."""
+
+
+class TrainerState(Protocol):
+    """What lending reads of the trainer (`reflow.sim.training.SimTrainer`)."""
+
+    busy: bool
+    syncing: bool
+    draining: bool
+    train_gpus: int
+
+
+class LendingHost(Protocol):
+    """What `SimLending` uses of the simulation that holds it (`reflow.sim.simulation.Simulation`)."""
+
+    s: Scenario
+    m: ModeConfig
+    now: float
+    seq: Iterator[int]
+    rec: Recorder
+
+    @property
+    def version(self) -> int: ...
+    @property
+    def trainer(self) -> TrainerState: ...
+    def push(self, at: float, kind: str, obj: Any = None, token: int = 0) -> None: ...
+    def reschedule(self, e: Engine) -> None: ...
+    def on_resumed(self, e: Engine, _token: int) -> None: ...
+    def start_group(self, lent: Engine | None = None) -> GroupState: ...
+    def admission_room(self, lent: bool = False) -> int: ...
+
+
+class SimLending:
+    """The lent engines of one simulation (see the module docstring)."""
+
+    def __init__(self, sim: LendingHost, slots: int) -> None:
+        s, m = sim.s, sim.m
+        self.sim = sim
+        self.overhead = ElasticConfig(**m.elastic_config).lend_overhead  # the policy's assumption
+        self.switch_s = s.sync.lend_switch_s
+        self.eta = 1 if m.eta is None else m.eta
+        dm = decode_model(s.gpu, s.model, s.decode, colocated=True)
+        # groups a lent engine runs at once: the runtime's per rollout worker
+        self.per_engine = m.groups_per_engine or max(1, dm.max_running // s.batch.samples_per_group)
+        self.engines = [Engine(LENT_EID + i, dm, lent=True) for i in range(slots)]
+        self.lending = slots
+        self.queues: dict[Engine, deque[Request]] = {e: deque() for e in self.engines}
+        self.load = dict.fromkeys(self.engines, 0)  # groups in flight per engine
+        self.groups: dict[str, GroupState] = {}
+        self.yielded: set[Engine] = set()
+        self.stored_at = dict.fromkeys(self.engines, 0.0)  # busy seconds when its last group was stored
+        self.marks: list[tuple[float, float]] = []  # (busy, stored) seconds at each version boundary
+        self.yields = self.ran_on = self.started = self.stored_groups = 0
+        self.poked = False
+
+    @classmethod
+    def of(cls, sim: LendingHost) -> SimLending | None:
+        """The simulation's lending, None when its mode lends nothing."""
+        return cls(sim, sim.trainer.train_gpus // sim.s.decode.tp) if sim.m.lends else None
+
+    # ---- what the elastic policy observes and sets
+
+    def lendable(self) -> int:
+        """Train slots that hold an engine to lend (no more than the trainer has now)."""
+        return min(len(self.engines), self.sim.trainer.train_gpus // self.sim.s.decode.tp)
+
+    def lent_slots(self) -> int:
+        return min(self.lending, self.lendable())
+
+    def set_lending(self, slots: int) -> None:
+        """The policy's lend / reclaim: a reclaimed engine takes no new group, its groups run on."""
+        self.lending = slots
+        self.poke()
+
+    def busy_s(self) -> float:
+        """Generating seconds so far, summed over the lent engines."""
+        for e in self.engines:
+            e.advance(self.sim.now)
+        return sum(e.busy_s for e in self.engines)
+
+    def stored_s(self) -> float:
+        """Of `busy_s`, the seconds up to each engine's last group stored (the rest produced nothing yet)."""
+        return sum(self.stored_at.values())
+
+    # ---- taking groups while the trainer waits
+
+    def trainer_waits(self) -> bool:
+        tr = self.sim.trainer
+        return not (tr.busy or tr.syncing or tr.draining)
+
+    def poke(self) -> None:
+        """Look for work once the current event is handled: by then the trainer has started the step
+        it could (the runtime's loop asks for a step before it feeds its lent engines)."""
+        if not self.poked:
+            self.poked = True
+            self.sim.push(self.sim.now, "lend")
+
+    def on_lend(self, _obj: object, _token: int) -> None:
+        self.poked = False
+        if not self.trainer_waits():
+            return
+        self.resume(sorted(self.yielded, key=lambda e: e.eid))
+        while (e := self.free()) is not None and self.sim.admission_room(lent=True) > 0:
+            g = self.sim.start_group(lent=e)
+            self.groups[g.gid] = g
+            self.load[e] += 1
+            self.started += 1
+
+    def free(self) -> Engine | None:
+        """A lending engine with room for one more group (the least loaded), or None."""
+        fits = [e for e in self.engines[: self.lent_slots()] if self.load[e] < self.per_engine]
+        return min(fits, key=lambda e: (self.load[e], e.eid)) if fits else None
+
+    def ready(self, req: Request) -> None:
+        """A lent group's request is prefilled (or back from a tool call): its engine's queue."""
+        e = req.group.lent
+        assert e is not None
+        q = self.queues[e]
+        if req.turn or req.resumed:  # later turns first, as on the rollout engines
+            q.appendleft(req)
+        else:
+            q.append(req)
+        self.admit(e)
+
+    def admit(self, e: Engine) -> None:
+        """Admit what fits; a paused engine takes its requests too and decodes them once it resumes."""
+        e.advance(self.sim.now)
+        q = self.queues[e]
+        while q and e.has_room(q[0]):
+            req = q.popleft()
+            req.versions.add(self.sim.version)
+            e.admit(req, next(self.sim.seq))
+        self.sim.reschedule(e)
+
+    def stored(self, g: GroupState) -> None:
+        e = g.lent
+        assert e is not None
+        del self.groups[g.gid]
+        self.load[e] -= 1
+        self.stored_groups += 1
+        e.advance(self.sim.now)
+        self.stored_at[e] = e.busy_s
+        self.poke()
+
+    # ---- a step starts, the trainer waits again
+
+    def step_starts(self, version: int, seconds: float) -> float:
+        """A step training `version` + 1 starts and would take `seconds`: each lent engine with groups
+        yields, but one whose oldest group started more than eta versions before `version`, which runs
+        on beside the step (and is resumed for it if it was paused). Returns the step's seconds beside
+        its lent engines: slower by 1 - overhead while a slot lends or an engine runs on, plus one
+        hand-over (`sync.lend_switch_s`, the engines offload in parallel) when one yields."""
+        oldest: dict[Engine, int] = {}
+        for g in self.groups.values():
+            assert g.lent is not None
+            oldest[g.lent] = min(g.version, oldest.get(g.lent, g.version))
+        yielding, running_on = [], []
+        for e in sorted(oldest, key=lambda e: e.eid):
+            if lent_engine_yields(oldest[e], version, self.eta):
+                if e not in self.yielded:
+                    yielding.append(e)
+            else:
+                running_on.append(e)
+                self.sim.rec.event(
+                    {
+                        "kind": "elastic",
+                        "t": self.sim.now,
+                        "version": version,
+                        "what": "lent_runs_on",
+                        "why": f"its oldest group started on version {oldest[e]}, more than eta={self.eta} "
+                        f"versions before {version}: it generates beside the step",
+                        "engine": e.eid - LENT_EID,
+                    }
+                )
+        for e in yielding:
+            e.advance(self.sim.now)
+            e.paused += 1
+            e.token += 1  # its next turn end is void until it resumes
+            self.yielded.add(e)
+        self.yields += bool(yielding)
+        self.ran_on += len(running_on)
+        self.resume([e for e in running_on if e in self.yielded])
+        if self.lent_slots() or running_on:
+            seconds /= 1.0 - self.overhead
+        return seconds + (self.switch_s if yielding else 0.0)
+
+    def resume(self, engines: list[Engine]) -> None:
+        """Paused episodes continue on the engine's weights of now (per-token versions), after the
+        hand-over back to the engine."""
+        for e in engines:
+            self.yielded.discard(e)
+            for _, _, req in e.running:
+                req.versions.add(self.sim.version)
+            if self.switch_s > 0:
+                self.sim.push(self.sim.now + self.switch_s, "resumed", e)
+            else:
+                self.sim.on_resumed(e, 0)
+
+    # ---- what a run reports
+
+    def mark(self) -> None:
+        """A version boundary: the counters for the steady-state window of the summary."""
+        self.marks.append((self.busy_s(), self.stored_s()))
+
+    def summary(self, steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+        """The lending figures: whole-run counters, and the train slots' idle share over the summary's
+        window counting lent generation that ended in stored groups (reflow/recipes/run_log.py's
+        train_slot_idle_ratio; the lent seconds shared over the train slots)."""
+        warm = min(warmup, len(steps) - 1)
+        first = (steps[warm - 1]["wall_s"], steps[warm - 1]["_busy"][2], self.marks[warm - 1][1])
+        t0, train0, stored0 = first if warm > 0 else (0.0, 0.0, 0.0)
+        t1, train1, stored1 = steps[-1]["wall_s"], steps[-1]["_busy"][2], self.marks[-1][1]
+        slots = max(1, len(self.engines))
+        window = max(t1 - t0, 1e-9)
+        return {
+            "lent_busy_s": self.busy_s(),
+            "lent_stored_s": self.stored_s(),
+            "lent_yields": self.yields,
+            "lent_ran_on": self.ran_on,
+            "lent_groups": self.started,
+            "lent_groups_stored": self.stored_groups,
+            "lent_slots": self.lent_slots(),
+            "train_slot_idle_ratio": idle_ratio(train1 - train0 + (stored1 - stored0) / slots, window),
+        }
