@@ -139,7 +139,7 @@ def sync_loop(
         t1 = time.monotonic()
         state.rollout_busy_s += (t1 - t0) * len(cluster.rollout)
         # the zero-spread groups passed over are retired (as in the other modes), trained or not
-        retired = [r.group_id for r in reports if not r.has_spread]
+        retired = [r.group_id for r in reports if not r.has_spread] + (tail.dropped if tail else [])
         if not groups:
             state.steps_no_signal += 1
             ray.get(cluster.replay.mark_consumed.remote(retired, state.step + 1))

@@ -6,7 +6,8 @@ slowdown beside the engine (`elastic.lend_overhead`). This benchmark measures it
 the config (mode reflow, lending on): the wall time of one train step, seen from the driver, under
 three conditions, the rollout workers generating throughout as they do in a run:
 
-- `alone`: the lent engine idle (reflow without lending);
+- `alone`: the lent engine idle (its weights and memory held, as beside any step of a lending run:
+  the benchmark measures what the engine's activity costs, not its presence);
 - `yields`: the lent engine generates until the step, pauses for it (requests aborted, tokens kept:
   `RolloutWorker.pause_episodes`) and resumes after it; the time counts the pause's round trip. This
   is lending's normal case;
@@ -14,8 +15,9 @@ three conditions, the rollout workers generating throughout as they do in a run:
   on beside it).
 
 A round takes `--steps` train steps in each condition, in an order that rotates from round to round
-(drift in the machine's speed falls on every condition alike); every step trains the same batch of
-stored groups, so the work per step is the same. Each round gives one ratio per condition to `alone`
+(drift in the machine's speed falls on every condition alike); each engine runs as many groups at once
+as a run's loop gives it (`rollout.max_batch_size // rollout.group_size`); every step trains the same
+batch of stored groups, so the work per step is the same. Each round gives one ratio per condition to `alone`
 (mean step seconds); the report is their geometric mean with its 95% interval over the rounds, and
 the overhead o = 1 - t_alone / t_condition that `elastic.lend_overhead` stands for. Nothing here is
 trained for keeps: the run folder is scratch.
@@ -74,11 +76,12 @@ def order(round_index: int) -> list[str]:
 
 
 class Feeder:
-    """Keeps one group generating on each of the given workers: a group that ends is followed by the
-    next (`top_up`) until `stop`, which waits for the ones in flight."""
+    """Keeps `per_worker` groups generating on each of the given workers (a run's load: the loop
+    starts `rollout.max_batch_size // rollout.group_size` groups on a worker): a group that ends is
+    followed by the next (`top_up`) until `stop`, which waits for the ones in flight."""
 
-    def __init__(self, workers: list[Any], seeds: Any) -> None:
-        self.workers, self.seeds = workers, seeds
+    def __init__(self, workers: list[Any], seeds: Any, per_worker: int = 1) -> None:
+        self.workers, self.seeds, self.per_worker = workers, seeds, per_worker
         self.refs: dict[Any, Any] = {}
 
     def top_up(self) -> None:
@@ -89,9 +92,8 @@ class Feeder:
             for ref in done:
                 ray.get(ref)  # a failed group fails the benchmark: its figures would be off
                 del self.refs[ref]
-        busy = set(self.refs.values())
         for worker in self.workers:
-            if worker not in busy:
+            for _ in range(self.per_worker - sum(w is worker for w in self.refs.values())):
                 self.refs[worker.generate.remote([next(self.seeds)])] = worker
 
     def stop(self) -> None:
@@ -117,12 +119,12 @@ def timed_step(cluster: Any, ids: list[str], step: int, feeders: list[Feeder]) -
 
 
 def measure(
-    cluster: Any, ids: list[str], rounds: int, steps: int, seeds: Any, echo: Any
+    cluster: Any, ids: list[str], rounds: int, steps: int, seeds: Any, echo: Any, per_worker: int = 1
 ) -> list[dict[str, list[float]]]:
     """Step seconds per condition per round (module docstring); two warm-up steps first."""
     import ray
 
-    rollout, lent = Feeder(cluster.rollout, seeds), Feeder(cluster.lent, seeds)
+    rollout, lent = Feeder(cluster.rollout, seeds, per_worker), Feeder(cluster.lent, seeds, per_worker)
     rollout.top_up()
     step = 0
     for _ in range(2):  # warm-up: allocator and thread pools settle
@@ -138,7 +140,7 @@ def measure(
                     got[condition].append(timed_step(cluster, ids, step, [rollout]))
                     continue
                 lent.top_up()
-                time.sleep(0.5)  # the lent engine is decoding when the step comes
+                time.sleep(1.0)  # the lent engine is past its groups' first prefill when the step comes
                 t0 = time.monotonic()
                 if condition == "yields":
                     ray.get([w.pause_episodes.remote() for w in cluster.lent])
@@ -217,7 +219,8 @@ def cmd_bench_lending(args: argparse.Namespace) -> int:
     try:
         sync_weights(cluster, 0)
         ids = batch(cluster, config.rollout.groups_per_step, seeds)
-        rounds = measure(cluster, ids, args.rounds, args.steps, seeds, console.print)
+        per_worker = max(1, config.rollout.max_batch_size // config.rollout.group_size)
+        rounds = measure(cluster, ids, args.rounds, args.steps, seeds, console.print, per_worker)
     finally:
         cluster.shutdown()
         log.close(0)

@@ -17,9 +17,12 @@ resume takes up the groups one version old; at the end of the run the unfinished
 
 With more than one rollout worker, the tail's per-episode actions apply as in the decoupled modes
 (`tail.migrate`, `tail.set_concurrency`; `reflow.runtime.tail.TailRuntime`): a round's stragglers
-migrate onto fewer engines, and an engine so freed starts the next round's groups, which pause with the
-stragglers at the round's end and resume on the new weights (with carry-over; without it, nothing starts
-early); each engine's concurrency limit follows its measured knee.
+migrate onto fewer engines, and an engine so freed starts the next round's groups (counted as
+over-provisioned): they count in the next round, not in this one (so a short group started early
+cannot close this round ahead of its own stragglers), pause with the stragglers at the round's end and
+resume on the new weights (with carry-over; without it, nothing starts early); each engine's
+concurrency limit follows its measured knee. With one rollout worker there is nothing to migrate to,
+and its limit stays as configured.
 
 A round counts as done its groups with reward spread, and its zero-spread groups beyond the ones
 `rollout.max_resample_rounds` lets it replace (B per resampling round): with resampling off a round
@@ -57,6 +60,8 @@ class Running:
     group: GroupInFlight
     carried: bool = False
     """Carried into this round: the round waits for it (its tokens stay at most one version stale)."""
+    early: bool = False
+    """Started for the next round on an engine freed by consolidation: it counts there, not in this one."""
 
 
 class SyncTail:
@@ -69,7 +74,9 @@ class SyncTail:
         self.policy = TailPolicy(config.tail.policy_config())
         self.carry = self.policy.cfg.carry_over
         per_worker = max(1, r.max_batch_size // r.group_size)
-        self.gate = TailGate(self.policy, self.batch, per_worker, r.group_size, tail_runtime(cluster, config))
+        # per-episode actions need a second engine to move to (one engine keeps its limits as they are)
+        runtime = tail_runtime(cluster, config) if len(cluster.rollout) > 1 else None
+        self.gate = TailGate(self.policy, self.batch, per_worker, r.group_size, runtime)
         self.running: dict[Any, Running] = {}
         self.spare: list[GroupReport] = []  # groups with spread done beyond B, counted already
         self.leftover = list(pending or [])  # stored before a resume, counted in the next round
@@ -77,6 +84,8 @@ class SyncTail:
         self.seconds: list[float] = []
         self.episode_seconds: list[float] = []
         self.paused_at: float | None = None
+        self.dropped: list[str] = []
+        """Groups the last round retired untrained (they would have trained two versions stale)."""
 
     def collect(self, state: RunState, log: RunLog) -> tuple[list[GroupReport], list[GroupReport]]:
         """(B groups with reward spread or fewer, every group that arrived in this round)."""
@@ -92,16 +101,25 @@ class SyncTail:
                 loads[run.group.worker] += 1
             # an engine freed by consolidating the stragglers may start the next round's groups:
             # they pause with the round's stragglers and resume on the new weights (carry-over only)
-            next_room = max(0, 2 * self.batch - done - len(self.running)) if self.carry else 0
+            early_done = len(self.leftover)  # the next round's groups done already (started early)
+            next_room = max(0, 2 * self.batch - done - len(self.running) - early_done) if self.carry else 0
             in_flight = [r.group for r in self.running.values()]
             versions = [state.version] * len(loads)  # sync: every engine holds the trainer's weights
             look = self.gate.look(done, in_flight, loads, time.monotonic(), next_room, versions)
             state.tail_migrations += look.migrations
             self._log(state, log, look.events)
+            early = look.only is not None  # the room is the next round's, on the freed engines
             while done < self.batch and look.allows() and (w := look.worker()) is not None:
-                state.tail_over_provisioned += look.take(w)
-                self._launch(w, state)
-            if not self.running or (done >= self.batch and not any(r.carried for r in self.running.values())):
+                state.tail_over_provisioned += look.take(w) or early  # started beyond this round's B
+                self._launch(w, state, early)
+            current = [r for r in self.running.values() if not r.early]
+            if (
+                not current and done < self.batch
+            ):  # only early groups left to fill this round: they count here
+                for run in self.running.values():
+                    run.early = False
+                current = list(self.running.values())
+            if not current or (done >= self.batch and not any(r.carried for r in current)):
                 break
             wake = self.gate.wake_s(len(self.running))  # with migrations: look again at the tail
             ready, _ = ray.wait(list(self.running), num_returns=1, timeout=wake)
@@ -110,14 +128,28 @@ class SyncTail:
                 (report,) = ray.get(ref)
                 report.seconds = time.monotonic() - run.group.started  # its pauses left out
                 observe_tasks(self.config, state, [run.seed], [report])
+                self.seconds.append(report.seconds)
+                if run.early:  # the next round's: it counts there (one version stale)
+                    self.leftover.append(report)
+                    self.episode_seconds += report.episode_seconds
+                    continue
                 reports.append(report)
                 usable += [report] if report.has_spread else []
                 zero += not report.has_spread
-                self.seconds.append(report.seconds)
                 self.episode_seconds += report.episode_seconds
             self.gate.observe(self.seconds, self.episode_seconds)
         usable.sort(key=lambda r: r.policy_version)  # the carried-in groups train now, not a round later
-        self.spare = usable[self.batch :]
+        self.spare = [r for r in usable[self.batch :] if r.policy_version >= state.version]
+        # a spare group already one version old would train two versions stale next round: retired
+        # (rare: more groups of the last version done than a batch, e.g. after a resume)
+        self.dropped = [r.group_id for r in usable[self.batch :] if r.policy_version < state.version]
+        if self.dropped:
+            why = f"{len(self.dropped)} groups of version < {state.version} left beyond the batch: retired, not trained two versions stale"
+            self._log(
+                state,
+                log,
+                [{"what": "stale_retired", "why": why, "applied": True, "groups": len(self.dropped)}],
+            )
         self._carry(state)
         return usable[: self.batch], reports
 
@@ -158,11 +190,11 @@ class SyncTail:
                 done.append((running[ref], report))
         return done
 
-    def _launch(self, worker: int, state: RunState) -> None:
+    def _launch(self, worker: int, state: RunState, early: bool = False) -> None:
         seed = self.restart.pop(0) if self.restart else next_seeds(state, 1, self.config)[0]
         group_id = uuid.uuid4().hex  # named here: the tail runtime finds its episodes in the workers' reports
         ref = self.cluster.rollout[worker].generate.remote([seed], [group_id])
-        self.running[ref] = Running(seed, GroupInFlight(worker, group_id, time.monotonic()))
+        self.running[ref] = Running(seed, GroupInFlight(worker, group_id, time.monotonic()), early=early)
 
     def _carry(self, state: RunState) -> None:
         """B done: the groups still running pause until the next round, or start over then."""
@@ -173,7 +205,7 @@ class SyncTail:
             self.paused_at = time.monotonic()
             state.tail_carried_over += len(self.running)
             for run in self.running.values():
-                run.carried = True
+                run.carried, run.early = True, False  # the next round waits for each, and counts it
             return
         seeds = [run.seed for run in self.running.values()]
         finished = self._cancel()  # a group that finished meanwhile is stored: the next round counts it
