@@ -83,7 +83,7 @@ class ElasticConfig:
         default=0.05,
         metadata=_doc(
             "the trainer's slowdown (share of its rate) beside a lent engine: `reflow bench lending` measured "
-            "3.4% on calc-tiny in steps it yields to, 31% in steps it runs on beside"
+            "1.5% on calc-tiny in steps it yields to, 35% in steps it runs on beside"
         ),
     )
     lend_min_gain: float = field(

@@ -157,11 +157,12 @@ def measure(
     return results
 
 
-def batch(cluster: Any, groups: int, seeds: Any) -> list[str]:
-    """Ids of `groups` stored groups with reward spread (what a train step trains)."""
+def batch(cluster: Any, groups: int, seeds: Any, per_worker: int = 1) -> list[str]:
+    """Ids of `groups` stored groups with reward spread (what a train step trains), generated
+    `per_worker` groups a rollout worker at a time."""
     ids: list[str] = []
     for _ in range(FILL_ROUNDS):
-        reports = cluster.generate([next(seeds) for _ in cluster.rollout])
+        reports = cluster.generate([next(seeds) for _ in range(per_worker * len(cluster.rollout))])
         ids += [r.group_id for r in reports if r.has_spread]
         if len(ids) >= groups:
             return ids[:groups]
@@ -218,8 +219,8 @@ def cmd_bench_lending(args: argparse.Namespace) -> int:
     seeds = itertools.count(10**6)  # task seeds apart from a training run's
     try:
         sync_weights(cluster, 0)
-        ids = batch(cluster, config.rollout.groups_per_step, seeds)
         per_worker = max(1, config.rollout.max_batch_size // config.rollout.group_size)
+        ids = batch(cluster, config.rollout.groups_per_step, seeds, per_worker)
         rounds = measure(cluster, ids, args.rounds, args.steps, seeds, console.print, per_worker)
     finally:
         cluster.shutdown()
