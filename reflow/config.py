@@ -551,6 +551,11 @@ class RunConfig(_Section):
     def run_dir(self) -> Path:
         return Path(self.out_dir) / self.run_name
 
+    @property
+    def held_out_env_kwargs(self) -> dict[str, Any]:
+        """The env kwargs held-out evaluation plays: `eval.env_kwargs` when set, else the env's."""
+        return self.env.kwargs if self.eval.env_kwargs is None else self.eval.env_kwargs
+
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
     key, sep, raw = item.partition("=")

@@ -99,8 +99,7 @@ async def play_held_out(
 def _deadline_keys(config: RunConfig) -> str:
     """The setting that gives an evaluation's episodes a wall-clock deadline (the env's; evaluation
     runs no runner deadline), with its value."""
-    kwargs = config.env.kwargs if config.eval.env_kwargs is None else config.eval.env_kwargs
-    if (env_s := (kwargs or {}).get("deadline_s")) is not None:
+    if (env_s := (config.held_out_env_kwargs or {}).get("deadline_s")) is not None:
         return f"env.kwargs.deadline_s (now {env_s:g} s)"
     return "env.kwargs.deadline_s (the env's registered deadline applies)"
 
@@ -116,10 +115,9 @@ def evaluate_model(
     greedy, sampled, seconds = asyncio.run(play_held_out(config, path, episodes, pass_at))
     if out:
         write_records(greedy + sampled, out)
-    kwargs = config.env.kwargs if config.eval.env_kwargs is None else config.eval.env_kwargs
     summary: dict[str, Any] = {
         "env_id": config.env.id,
-        "env_kwargs": kwargs,
+        "env_kwargs": config.held_out_env_kwargs,
         "model": path,
         **summarize(greedy, seconds),
         "timeouts": {"greedy": sum(r.status == "timeout" for r in greedy),

@@ -258,7 +258,7 @@ class RolloutWorker:
                 group_size=samples,
                 seed=seed,
                 concurrency=self.config.rollout.max_batch_size,
-                env_kwargs=self.config.env.kwargs if ev.env_kwargs is None else ev.env_kwargs,
+                env_kwargs=self.config.held_out_env_kwargs,
                 progress=progress,
             )
 
