@@ -156,12 +156,17 @@ class SyncTail:
     def close(self, state: RunState, log: RunLog) -> None:
         """The run is over: the groups still in flight or paused are cancelled (a group that finished
         meanwhile is stored: its tokens count, its event says so), then the workers' episodes may
-        generate again."""
+        generate again. Groups started early for a next round and done are stored untrained: counted
+        the same way."""
         dropped = len(self.running)
-        done = [report for _, report in self._cancel()]
+        done = [report for _, report in self._cancel()] + self.leftover
+        self.leftover = []
         state.generated_tokens += sum(r.generated_tokens for r in done)
-        if dropped:
-            why = f"the run ended: {dropped} unfinished groups cancelled, {len(done)} of them stored first"
+        if done or dropped:
+            why = (
+                f"the run ended: {dropped} unfinished groups cancelled, {len(done)} groups stored "
+                "untrained (finished first, or started for a next round)"
+            )
             log.write("tail", {"step": state.step, "version": state.version, "what": "run_end",
                                "why": why, "applied": True, "dropped": dropped, "stored": len(done)})  # fmt: skip
         if self.paused_at is not None:
