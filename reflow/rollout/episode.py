@@ -113,6 +113,8 @@ class EpisodeRunner:
         rec.timings = {**timings, "total_s": time.monotonic() - start}
         if route is not None and route.counters["migrations"]:
             rec.timings.update(route.counters)
+        if route is not None and route.paused_total_s:  # waited paused (sync's partial rollouts, lending)
+            rec.timings["paused_s"] = route.paused_total_s
         return rec
 
     async def _play(

@@ -20,6 +20,9 @@ the first request after a migration asks for one token and is timed, the rest of
 Paused (`Routes.pause`, sync mode's partial rollouts): every request in flight is aborted, its tokens
 kept, and no episode generates until `Routes.resume`; each then resubmits its exact prefix to its
 engine, which by then may hold newer weights (per-token versions; the prefix counts as re-prefilled).
+A request migrated to an engine that pauses comes back the same way (`meta["paused"]`, from
+`WorkerTail.pause_served`) and waits at that engine's gate. The time an episode waits paused, here or
+there, is left out of its age (`active_s`, the tail's quantiles) and counted in `timings["paused_s"]`.
 
 Failures are contained: a target that fails (its actor died, its engine raised) sends the episode
 back to its home engine, which resubmits the prefix (outcome "fallback: ..."); the home engine failing
@@ -113,7 +116,11 @@ class EpisodeRoute:
         self.episode, self.group, self.home, self.home_name = episode, group, home, home_name
         self.gate = gate  # set: requests may run (`Routes.pause` clears it)
         self.paused_s = 0.0
-        """Seconds its generate calls waited for a resume (`take_paused_s`)."""
+        """Seconds its generate calls waited for a resume since `take_paused_s` last took them."""
+        self.paused_total_s = 0.0
+        """Seconds its generate calls waited for a resume in all, its own engine's or a target's: left
+        out of the episode's age (the tail's quantiles and remaining-time estimates)."""
+        self._waiting_since: float | None = None  # waiting at the gate now, since then
         self.engine: Engine = home
         self.engine_name = home_name
         self.decode, self.clock, self._done = decode, clock, done
@@ -144,10 +151,20 @@ class EpisodeRoute:
             "engine": self.engine_name,
             "turns": self.turns,
             "tokens": self.tokens,
-            "seconds": max(0.0, self.clock() - self.started),
+            "seconds": self.active_s(),
             # tokens of a request in flight come from its engine's weights (an abort keeps them)
             "version": max(self.newest_version, self._part[0].weight_version if self._part else -1),
         }
+
+    def active_s(self) -> float:
+        """Seconds since it opened, less the time it waited paused (a wait in progress included)."""
+        now = self.clock()
+        waiting = now - self._waiting_since if self._waiting_since is not None else 0.0
+        return max(0.0, now - self.started - self.paused_total_s - waiting)
+
+    def _add_paused(self, seconds: float) -> None:
+        self.paused_s += seconds
+        self.paused_total_s += seconds
 
     async def migrate(self, target: Engine, name: str) -> Migration:
         """Generate on `target` from now on; a request in flight is aborted and resubmitted there."""
@@ -196,10 +213,13 @@ class EpisodeRoute:
         try:
             while True:
                 if self.gate is not None and not self.gate.is_set():
-                    waited = self.clock()
-                    while not self.gate.is_set():  # paused: a resume may be undone before this runs
-                        await self.gate.wait()
-                    self.paused_s += self.clock() - waited
+                    waited = self._waiting_since = self.clock()
+                    try:
+                        while not self.gate.is_set():  # paused: a resume may be undone before this runs
+                            await self.gate.wait()
+                    finally:
+                        self._waiting_since = None
+                        self._add_paused(self.clock() - waited)
                 engine, mig = self.engine, self.pending
                 probe = mig is not None and params.max_new_tokens - len(out) > 1
                 part_rid = rid if parts == 0 else f"{rid}.{parts}"
@@ -226,6 +246,7 @@ class EpisodeRoute:
                     continue
                 finally:
                     self._part = None
+                self._add_paused(float(last.meta.get("paused_s", 0.0)))  # at a paused target's gate
                 out += last.output_ids
                 logprobs += last.logprobs
                 versions += last.meta.get("token_versions") or [last.weight_version] * len(last.output_ids)
@@ -237,7 +258,10 @@ class EpisodeRoute:
                     mig.first_token_s = self.clock() - started
                     self._finish(mig, "ok")
                 moved = self.engine is not engine and rid not in self._user_aborted
-                paused = part_rid in self._paused and rid not in self._user_aborted
+                # paused here, or by the target it was migrated to (`WorkerTail.pause_served`)
+                paused = (part_rid in self._paused or bool(last.meta.get("paused"))) and (
+                    rid not in self._user_aborted
+                )
                 self._paused.discard(part_rid)
                 if last.finish_reason == "abort" and paused and not moved:
                     if len(out) >= params.max_new_tokens:  # paused at the very end of its token budget
@@ -281,7 +305,8 @@ class EpisodeRoute:
             if cut is not None:
                 n, matched = cut
                 out, logprobs, versions, finish = out[:n], logprobs[:n], versions[:n], "stop"
-        meta = {k: v for k, v in last.meta.items() if k not in ("token_versions", "reprefill_tokens")}
+        own = ("token_versions", "reprefill_tokens", "paused", "paused_s")  # this call's, set below
+        meta = {k: v for k, v in last.meta.items() if k not in own}
         if versions and len(set(versions)) > 1:
             meta["token_versions"] = list(versions)
         if reprefill:

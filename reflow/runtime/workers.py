@@ -41,7 +41,8 @@ class GroupReport:
     seconds: float
     tool_latencies_ms: list[float] = field(default_factory=list)
     episode_seconds: list[float] = field(default_factory=list)
-    """Each episode's duration (the tail scheduler's remaining-time estimate)."""
+    """Each episode's duration less the time it waited paused (the tail scheduler's remaining-time
+    estimate)."""
     env_seconds: list[float] = field(default_factory=list)
     """Each episode's time in its env (tool calls, sandboxes, grading), the rest being generation."""
 
@@ -75,6 +76,11 @@ def _sampling(
     )
 
 
+def active_seconds(record: EpisodeRecord) -> float:
+    """An episode's duration less the time it waited paused through train steps."""
+    return max(0.0, float(record.timings.get("total_s", 0.0)) - float(record.timings.get("paused_s", 0.0)))
+
+
 def report_group(records: list[EpisodeRecord], seconds: float) -> GroupReport:
     rewards = [r.reward for r in records]
     # tool results are `ToolResult` dicts (latency_s); a custom env may report other shapes
@@ -96,7 +102,7 @@ def report_group(records: list[EpisodeRecord], seconds: float) -> GroupReport:
         has_spread=has_spread(rewards, mask=train_mask([r.status for r in records])),
         seconds=seconds,
         tool_latencies_ms=latencies,
-        episode_seconds=[float(r.timings.get("total_s", 0.0)) for r in records],
+        episode_seconds=[active_seconds(r) for r in records],
         env_seconds=[float(r.timings.get("env_s", 0.0)) for r in records],
     )
 
@@ -205,6 +211,7 @@ class RolloutWorker:
         """Sync mode's partial rollouts: no episode generates until `resume_episodes` (requests in flight
         aborted, their tokens kept); the engine's KV memory goes back meanwhile. The episodes paused."""
         paused = await self.tail.routes.pause()
+        await self.tail.pause_served()  # requests migrated in from other workers' episodes
         await self._release_cache()  # a no-op while an aborted request is still winding down
         return paused
 
