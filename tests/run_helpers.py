@@ -35,9 +35,9 @@ LONG_TAIL_RUN = [
 """A short run on the long-tail env (`tail_envs`, on the PYTHONPATH): the tail scheduler's tests."""
 
 
-def train_and_read(overrides: list[str]) -> tuple[dict, list[dict]]:
-    """`agent-train` with `overrides` on a fresh local Ray (shut down after): its summary and the
-    records of its metrics.jsonl."""
+def train_and_read(overrides: list[str], resume: bool = False) -> tuple[dict, list[dict]]:
+    """`agent-train` with `overrides` on a fresh local Ray (shut down after), or its `resume`: its
+    summary and the records of its metrics.jsonl."""
     import json
 
     import ray
@@ -47,7 +47,7 @@ def train_and_read(overrides: list[str]) -> tuple[dict, list[dict]]:
 
     config = load_config(None, overrides)
     try:
-        summary = train(config)
+        summary = train(config, resume=resume)
     finally:
         ray.shutdown()
     rows = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]

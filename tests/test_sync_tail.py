@@ -8,6 +8,7 @@ and sets a concurrency limit, losing no group."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from pathlib import Path
 
@@ -150,7 +151,10 @@ def test_sync_run_with_tail_handling_carries_groups_over_and_loses_none(tmp_path
         by_group.setdefault(r.group_id, []).append(r)
     assert all(len(eps) == 4 for eps in by_group.values())
     assert all(r.status != "infra_error" for r in records)
-    assert any(r.policy_version_start < r.policy_version_end for r in records)
+    carried = [r for r in records if r.policy_version_start < r.policy_version_end]
+    assert carried
+    # a carried episode waited paused through the step; its duration for the tail's quantiles does not
+    assert all(r.timings.get("paused_s", 0.0) > 0.0 for r in carried)
 
 
 @pytest.mark.slow
@@ -161,19 +165,17 @@ def test_sync_run_with_two_rollout_workers_migrates_its_stragglers_and_loses_no_
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.setattr(sync_tail, "TailPolicy", ScriptedTail)
-    summary, rows = train_and_read(
-        [
-            *TINY_MODEL,
-            *SMALL_ROLLOUT,
-            *LONG_TAIL_RUN,
-            f"out_dir={tmp_path}",
-            "run_name=sync-migrate",
-            "mode=sync",
-            "train.steps=5",
-            "resources.slots=[rollout, rollout, train]",
-            "tail.enabled=true",
-        ]
-    )
+    overrides = [
+        *TINY_MODEL,
+        *SMALL_ROLLOUT,
+        *LONG_TAIL_RUN,
+        f"out_dir={tmp_path}",
+        "run_name=sync-migrate",
+        "mode=sync",
+        "resources.slots=[rollout, rollout, train]",
+        "tail.enabled=true",
+    ]
+    summary, rows = train_and_read([*overrides, "train.steps=5"])
     run_dir = tmp_path / "sync-migrate"
     assert summary["steps"] == 5
     tail = [r for r in rows if r["kind"] == "tail"]
@@ -197,6 +199,18 @@ def test_sync_run_with_two_rollout_workers_migrates_its_stragglers_and_loses_no_
     assert all(r.status != "infra_error" for r in records.values())
     moved = [records[m["episode"]] for m in decided if m["episode"] in records]
     assert moved and all(r.timings.get("migrations", 0) >= 1 for r in moved)
+
+    # the run's last checkpoint holds each engine's concurrency limit and the durations; a resume
+    # restores the limits (the scripted w0 limit of 12, or what the policy set after it)
+    from reflow.train.trainer_state import STATE_FILE, latest_checkpoint
+
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    saved = json.loads((ckpt / STATE_FILE).read_text())["extra"]["run_state"]["scheduler"]
+    assert set(saved["tail"]["limits"]) == {"w0", "w1"} and saved["durations"]["group_s"]
+    _, resumed = train_and_read([*overrides, "train.steps=6"], resume=True)
+    why = "restored from the checkpoint"
+    restored = {r["engine"]: r["limit"] for r in resumed if r["kind"] == "tail" and r.get("why") == why}
+    assert restored == saved["tail"]["limits"]
 
 
 @pytest.mark.parametrize("mode", ["sync", "reflow"])

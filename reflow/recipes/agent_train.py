@@ -128,6 +128,8 @@ def sync_loop(
     cannot fit, judged by the mean round so far. With `tail.enabled`, a round over-provisions and
     its unfinished groups carry over, paused (`reflow.recipes.sync_tail`)."""
     tail = SyncTail(cluster, config, pending) if config.tail.active("sync") else None
+    if tail is not None and state.scheduler:  # a resume: the tail's durations and limits back
+        tail.load_state_dict(state.scheduler, state, log)
     while steps_left(state, config.train.steps):
         rounds = state.step + state.steps_no_signal
         if out_of_time(config.train.seconds, clock.now(), state.wall_s / rounds if rounds else 0.0):
@@ -173,7 +175,7 @@ def sync_loop(
         times = {"rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2}
         staleness = [state.version - 1 - g.policy_version for g in groups]  # 0 bar carried-over groups
         log.step(step_record(state, len(cluster.rollout), reports, len(groups), metrics, staleness, times))
-        after_step(cluster, config, log, state, clock)
+        after_step(cluster, config, log, state, clock, tail.state_dict if tail else None)
     if tail is not None:
         tail.close(state, log)
 

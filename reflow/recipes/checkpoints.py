@@ -42,7 +42,7 @@ def after_step(
     """What both loops do after a trained step, in this order: an evaluation point if one is due (live
     in sync mode; in async and reflow a weight snapshot evaluated after the run: `evaluation.evaluate`),
     then a checkpoint if one is due, which so holds that point. `scheduler` gives the adaptive state a
-    checkpoint saves besides (`RunState.scheduler`: the decoupled loop's)."""
+    checkpoint saves besides (`RunState.scheduler`)."""
     if eval_due(config, state):
         evaluate(cluster, config, log, state, clock)
     if state.step % config.train.checkpoint_every == 0 or state.step == config.train.steps:

@@ -77,10 +77,10 @@ class RunState:
     """The replay store's lineage of these weights: a resumed run forks a new one from its
     checkpoint's (`ReplayStore.start_lineage`), so no (lineage, version) names two weight sets."""
     scheduler: dict[str, Any] = field(default_factory=dict)
-    """The decoupled loop's adaptive state at the last checkpoint, so a resume restores it: the replay
-    share and its history, the recent group and episode durations (the tail's quantiles, the budget's
-    estimate), each engine's concurrency limit, the elastic pool's measured costs and last change,
-    and the slot layout (`recipes.decoupled`)."""
+    """The loop's adaptive state at the last checkpoint, so a resume restores it: the recent group and
+    episode durations (the tail's quantiles, the budget's estimate) and each engine's concurrency
+    limit; in the decoupled modes also the replay share and its history, the elastic pool's measured
+    costs and last change, and the slot layout (`recipes.decoupled`, `recipes.sync_tail`)."""
     groups_quarantined: int = 0
     """Groups in the store made by weights a resume lost (never trained), after the last resume."""
 

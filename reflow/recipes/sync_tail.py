@@ -26,8 +26,9 @@ and its limit stays as configured.
 
 A round counts as done its groups with reward spread, and its zero-spread groups beyond the ones
 `rollout.max_resample_rounds` lets it replace (B per resampling round): with resampling off a round
-ends after B groups, as plain sync's does. The group durations over-provisioning reads leave the pauses
-out (the records' episode timings keep them).
+ends after B groups, as plain sync's does. The group and episode durations the tail reads leave the
+pauses out (an episode's record keeps `timings["total_s"]` and `timings["paused_s"]`); checkpoints save
+them and the engines' concurrency limits (`state_dict`), which a resume restores.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from typing import Any
 import ray
 
 from reflow.config import RunConfig
-from reflow.policy.tail import TailPolicy
+from reflow.policy.tail import QUANTILE_WINDOW, TailPolicy
 from reflow.recipes.run_log import RunLog
 from reflow.recipes.run_state import RunState, next_seeds, observe_tasks
 from reflow.runtime.cluster import Cluster
@@ -153,6 +154,26 @@ class SyncTail:
         self._carry(state)
         return usable[: self.batch], reports
 
+    def state_dict(self) -> dict[str, Any]:
+        """The adaptive state a checkpoint saves (`RunState.scheduler`, the decoupled loop's keys): the
+        recent group and episode durations behind the quantiles, each engine's concurrency limit."""
+        return {
+            "durations": {
+                "group_s": self.seconds[-QUANTILE_WINDOW:],
+                "episode_s": self.episode_seconds[-QUANTILE_WINDOW * 8 :],
+            },
+            "tail": self.gate.state_dict(),
+        }
+
+    def load_state_dict(self, saved: dict[str, Any], state: RunState, log: RunLog) -> None:
+        """A resume: the saved durations and concurrency limits back (the limits' events logged)."""
+        durations = saved.get("durations", {})
+        self.seconds += durations.get("group_s", [])
+        self.episode_seconds += durations.get("episode_s", [])
+        if self.seconds:
+            self.gate.observe(self.seconds, self.episode_seconds)
+        self._log(state, log, self.gate.load_state_dict(saved.get("tail", {})))
+
     def close(self, state: RunState, log: RunLog) -> None:
         """The run is over: the groups still in flight or paused are cancelled (a group that finished
         meanwhile is stored: its tokens count, its event says so), then the workers' episodes may
@@ -173,6 +194,7 @@ class SyncTail:
             ray.get([w.resume_episodes.remote() for w in self.cluster.rollout])
             self.paused_at = None
         self._log(state, log, self.gate.close(time.monotonic()))  # migrations measured, not yet logged
+        state.scheduler = self.state_dict()  # the run's final checkpoint keeps what it ended with
 
     @staticmethod
     def _log(state: RunState, log: RunLog, events: list[dict[str, Any]]) -> None:
