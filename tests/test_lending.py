@@ -218,6 +218,27 @@ def test_lent_time_after_an_engines_last_stored_group_counts_as_idle(monkeypatch
     assert lent.stored_s() == pytest.approx(4.0 + 3.0 + 10.0)
 
 
+def test_a_lent_engine_running_on_beside_a_step_adds_no_stored_time_the_step_holds(local_ray, monkeypatch):
+    """A lent engine that runs on through a train step shares the slot with the trainer: those seconds
+    count in its busy time but not in `stored_s` (the trainer's step time has them), so the train
+    slot's idle ratio counts them once."""
+    import reflow.runtime.lending as lending
+
+    ray = local_ray
+    now = [100.0]
+    monkeypatch.setattr(lending.time, "monotonic", lambda: now[0])
+    actor = ray.remote(_Recorder).options(num_cpus=0).remote()
+    lent = lending.LentEngines(SimpleNamespace(lent=[actor]), per_engine=2, eta=0)
+    lent.started("a", 0, version=3)
+    now[0] = 104.0  # 4 s while the trainer waits
+    assert [e["what"] for e in lent.pause(4)] == ["lent_runs_on"]  # past eta: it runs on
+    now[0] = 110.0  # 6 s beside the step
+    lent.resume()  # the step is over: the trainer waits again
+    now[0] = 112.0  # 2 s more while it waits
+    assert lent.done("a")
+    assert lent.busy_s() == pytest.approx(12.0) and lent.stored_s() == pytest.approx(6.0)
+
+
 def test_a_resumed_run_gives_the_lent_engines_its_weights_too(local_ray):
     """A resume loads the checkpoint's weights into every engine with its version: a lent engine left
     at version 0 would tag its tokens 0 (wrong staleness, replay and lineage bookkeeping)."""

@@ -16,8 +16,9 @@ the rank's slot, reserving nothing of its own). `LentEngines` is what the loop k
   episodes resubmit their prefixes on the engine's weights of then (per-token versions, as any
   partial rollout);
 - their generating seconds (`busy_s`: a group in flight and not paused), the elastic policy's lent
-  busy time, and of those the seconds that ended in a stored group (`stored_s`), the train slot's
-  generation time in its idle ratio.
+  busy time, and of those the seconds that ended in a stored group, outside train steps (`stored_s`),
+  the train slot's generation time in its idle ratio: an engine running on beside a step shares the
+  slot with the trainer, whose step time counts that time once already.
 
 A reclaimed engine takes no new group; the groups it has run on while the trainer waits. Its weights
 reach it through the loop's `WeightPusher` like any engine's (`Cluster.engines`): with one trainer
@@ -49,7 +50,9 @@ class LentEngines:
         self.paused: set[int] = set()
         self._since: list[float | None] = [None] * n  # generating since (None: idle or paused)
         self._busy = [0.0] * n  # generating seconds in this session, per engine
-        self._stored = [0.0] * n  # of those, the ones up to the engine's last group stored
+        self._stored = [0.0] * n  # of those, the ones up to the engine's last group stored, beside no step
+        self._beside = [0.0] * n  # generating seconds while a train step ran (running on), per engine
+        self._beside_since: list[float | None] = [None] * n
         self._before = (state.lent_busy_s, state.lent_stored_s) if state is not None else (0.0, 0.0)
         self.pauses = state.lent_yields if state is not None else 0
         """Step starts at which at least one lent engine yielded (the run's, a resumed one's too)."""
@@ -84,7 +87,7 @@ class LentEngines:
         if ref not in self.groups:
             return False
         engine, _ = self.groups.pop(ref)
-        self._stored[engine] = self._engine_busy(engine)
+        self._stored[engine] = self._engine_busy(engine) - self._engine_beside(engine)
         if engine not in self._busy_engines():
             self._stop_clock(engine)
         return True
@@ -122,10 +125,17 @@ class LentEngines:
             self._stop_clock(engine)
             self.paused.add(engine)
         self._resume([e for e in running_on if e in self.paused])
+        now = time.monotonic()
+        for engine in running_on:  # it generates beside the step from now on
+            if self._since[engine] is not None and self._beside_since[engine] is None:
+                self._beside_since[engine] = now
         return events
 
     def resume(self) -> None:
-        """The trainer waits: the paused engines' episodes resubmit, on the weights the engines have."""
+        """The trainer waits (its step is over): the paused engines' episodes resubmit, on the weights
+        the engines have."""
+        for engine in range(len(self._beside)):
+            self._end_beside(engine)
         self._resume(sorted(self.paused))
 
     def _resume(self, engines: list[int]) -> None:
@@ -143,17 +153,29 @@ class LentEngines:
         return self._before[0] + sum(self._engine_busy(e) for e in range(len(self._busy)))
 
     def stored_s(self) -> float:
-        """Of `busy_s`, the seconds up to each engine's last group stored (a resumed run's too): what
-        an engine generated after it, for groups cancelled at the run's end, produced nothing. With
-        several groups on an engine at once, a group still running when another is stored counts up
-        to then."""
+        """Of `busy_s`, the seconds up to each engine's last group stored (a resumed run's too), less
+        those it generated beside a train step (running on: the trainer's step time holds them): what
+        an engine generated after its last stored group, for groups cancelled at the run's end,
+        produced nothing. With several groups on an engine at once, a group still running when
+        another is stored counts up to then."""
         return self._before[1] + sum(self._stored)
 
     def _engine_busy(self, engine: int) -> float:
         since = self._since[engine]
         return self._busy[engine] + (time.monotonic() - since if since is not None else 0.0)
 
+    def _engine_beside(self, engine: int) -> float:
+        since = self._beside_since[engine]
+        return self._beside[engine] + (time.monotonic() - since if since is not None else 0.0)
+
+    def _end_beside(self, engine: int) -> None:
+        since = self._beside_since[engine]
+        if since is not None:
+            self._beside[engine] += time.monotonic() - since
+            self._beside_since[engine] = None
+
     def _stop_clock(self, engine: int) -> None:
+        self._end_beside(engine)
         since = self._since[engine]
         if since is not None:
             self._busy[engine] += time.monotonic() - since
