@@ -37,7 +37,6 @@ class RecordedRuntime(TailRuntime):
         super().__init__(Slots(), group_size=2, limit=8)
         self.asked: list = []
         self.snapshot = snapshot
-        self.seen = {ep["group"] for ep in snapshot.episodes}
         self.owner = {ep["id"]: ep["owner"] for ep in snapshot.episodes}
 
     def poll(self, now, force=False):
@@ -90,6 +89,20 @@ def test_runtime_observes_episodes_and_loads_in_sequences_with_migrations_counte
     assert loads == [1, 5] and limits == [8, 6]
     rt.moved["a"] = "w2"  # a migration applied since the snapshot
     assert rt.observe(in_flight, now=12.0)[1] == [0, 6]
+
+
+def test_a_group_whose_episodes_all_closed_before_its_report_came_still_counts_as_started():
+    """Between its last episode's end and its report reaching the loop, a group is in no worker's
+    progress: it stays in the policy's view (placeholders), so the batch's started groups are all
+    counted and over-provisioning starts none too many."""
+    rt = RecordedRuntime(Snapshot(at=10.0, episodes=[_ep("a", "g1", "w0")], limits={"w0": 8, "w2": 8}))
+    in_flight = [GroupInFlight(0, "g1", 0.0), GroupInFlight(1, "g2", 1.0)]  # g2 listed earlier, now closed
+    episodes, loads, _ = rt.observe(in_flight, now=12.0)
+    assert sorted({e.group for e in episodes}) == ["g1", "g2"] and loads == [2, 2]
+    assert [(e.id, e.engine, e.tokens) for e in episodes if e.group == "g2"] == [
+        ("g2#0", "w2", 4096),
+        ("g2#1", "w2", 4096),
+    ]  # on its worker, never worth moving
 
 
 def test_gate_applies_migrations_frees_the_source_for_the_next_batch_and_sets_limits():
