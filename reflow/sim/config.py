@@ -262,11 +262,30 @@ class ModeConfig(_Section):
         "to this many rounds for the groups that came back without reward spread; the step trains on "
         "those with spread, at most B); None: replacements start as soon as a slot frees",
     )
+    over_sampling_groups: int | None = Field(
+        None,
+        ge=1,
+        description="sync: slime's rollout loop (APRIL, reflow/sim/oversample.py): this many groups "
+        "start at once (carried ones first), again whenever the groups started less those without "
+        "reward spread fall short of B; once B groups with spread are done the rest is aborted; "
+        "None: admission control (or resample_rounds)",
+    )
+    abort_carry: bool = Field(
+        False,
+        description="over_sampling_groups: aborted groups keep their progress and start first in the "
+        "next round (slime's --partial-rollout); false: they are dropped",
+    )
 
     @model_validator(mode="after")
     def _one_bound(self) -> ModeConfig:
         if self.eta is not None and self.staleness_threshold is not None:
             raise ValueError("give eta or staleness_threshold, not both")
+        if self.over_sampling_groups is not None and (
+            self.mode != "sync" or self.resample_rounds is not None
+        ):
+            raise ValueError("over_sampling_groups needs mode sync without resample_rounds")
+        if self.abort_carry and self.over_sampling_groups is None:
+            raise ValueError("abort_carry needs over_sampling_groups")
         if self.lends and (self.mode not in ("async", "reflow") or self.staleness_threshold is not None):
             raise ValueError(
                 "elastic_config.lend needs mode async or reflow with eta (a lent engine runs on past eta)"
@@ -287,6 +306,11 @@ class RunSpec(_Section):
 
 class Published(_Section):
     speedup: float | None = Field(None, gt=0, description="baseline time / candidate time")
+    metric: Literal["seconds_per_step", "rollout_tokens_per_s"] = Field(
+        "seconds_per_step",
+        description="what `speedup` compares: step time (baseline / candidate), or, sync only, the "
+        "tokens generated per second of the rollout phase (candidate / baseline; APRIL's figure)",
+    )
     step_s: float | None = Field(None, gt=0, description="candidate seconds per step")
     source: str = ""
     note: str = ""
@@ -322,6 +346,15 @@ class Scenario(_Section):
                     raise ValueError(f"rollout_gpus {n} is not a multiple of decode.tp {self.decode.tp}")
         if self.gpus % self.decode.tp:
             raise ValueError(f"gpus {self.gpus} is not a multiple of decode.tp {self.decode.tp}")
+        for m in (self.mode, self.baseline):
+            if (
+                m is not None
+                and m.over_sampling_groups is not None
+                and m.over_sampling_groups < self.batch.groups
+            ):
+                raise ValueError(
+                    f"over_sampling_groups {m.over_sampling_groups} is below batch.groups {self.batch.groups}"
+                )
         return self
 
 

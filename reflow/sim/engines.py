@@ -31,6 +31,9 @@ class Request:
     started_at: float = 0.0
     resumed: bool = False
     """Taken off an engine mid-turn (consolidation, role change): resubmitted with its token prefix."""
+    segment: float = 0.0
+    """Tokens of its last stretch on an engine before an abort (reflow/sim/oversample.py): what slime
+    counts as off-policy when it resumes."""
 
 
 @dataclass(eq=False)
@@ -48,6 +51,9 @@ class GroupState:
     """Whether it has no reward spread, when the sampler knows (a stored group); None: draw it."""
     lent: Engine | None = None
     """The lent engine it runs on (every turn of every sample), None: the rollout engines'."""
+    held: list[Request] | None = None
+    """Aborted at a round's target (reflow/sim/oversample.py): its unfinished requests, with their
+    progress, until it resumes; None while it runs."""
 
 
 class Engine:

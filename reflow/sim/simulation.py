@@ -15,6 +15,8 @@ are the runtime's objects, observed and asked through reflow/sim/policies.py, wh
 The modes are one machine with four settings (reflow/sim/config.py `ModeConfig`): sync is colocated
 with eta = 0; one_step_off is eta = 1 with drain-before-sync; async is eta (or verl's fractional
 staleness threshold) with or without partial rollout; reflow is async plus the dual replay cycle.
+In sync, `mode.over_sampling_groups` replaces admission control by slime's over-provisioned rounds with
+an abort at the target, the aborted groups dropped or carried (APRIL; reflow/sim/oversample.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from reflow.sim.engines import Engine, GroupState, Request
 from reflow.sim.lending import SimLending
 from reflow.sim.measured import load_groups
 from reflow.sim.metrics import Recorder
+from reflow.sim.oversample import OverProvision
 from reflow.sim.store import SimStore
 from reflow.sim.training import SimTrainer, SyncRounds
 
@@ -55,6 +58,8 @@ class Simulation:
         self.rec = Recorder(len(self.engines))
         use_rounds = self.colocated and m.resample_rounds is not None
         self.rounds = SyncRounds(self.B, m.resample_rounds or 0) if use_rounds else None
+        over = m.over_sampling_groups
+        self.over = OverProvision(self.B, over) if self.colocated and over is not None else None
         self.trainer = SimTrainer(self, s.gpus if self.colocated else s.gpus - rollout_gpus)
         self.admission, self.version_scale = policies.admission_for(m, self.B)
         self.elastic = policies.ElasticStep(policies.make_elastic(s, m)) if m.elastic else None
@@ -111,6 +116,8 @@ class Simulation:
         out = self.rec.summary(self.s, self.m.mode, self.store, self.now)
         if self.lending is not None:
             out.update(self.lending.summary(self.rec.steps, self.s.run.warmup_steps))
+        if self.over is not None:
+            out.update(self.over.summary(self.rec.steps, self.s.run.warmup_steps))
         return out
 
     def reschedule(self, e: Engine) -> None:
@@ -128,6 +135,8 @@ class Simulation:
             return 0
         if self.rounds is not None:  # the sync loop's rounds instead of admission control
             return self.rounds.left()
+        if self.over is not None:  # slime's over-provisioned rounds (reflow/sim/oversample.py)
+            return self.over.left()
         cap = self.m.groups_per_engine
         on_lent = len(self.lending.groups) if self.lending is not None else 0
         if cap is not None and not self.colocated and not lent:
@@ -164,7 +173,10 @@ class Simulation:
     def fill(self) -> None:
         """Start groups while admission control has room and the engines could take more work."""
         while self.free_slots() > 0 and self.admission_room() > 0:
-            self.start_group()
+            if self.over is not None and self.over.carried:
+                self.resume_group(self.over.carried.popleft())  # carried groups first
+            else:
+                self.start_group()
         self.dispatch()
         if self.lending is not None:  # and on lent engines, if the trainer waits
             self.lending.poke()
@@ -179,6 +191,8 @@ class Simulation:
         self.store.begin_group(gid, self.version)
         if self.rounds is not None:
             self.rounds.start()
+        if self.over is not None:
+            self.over.start(g)
         for shape in shapes:
             req = Request(g, shape, ctx=shape.prompt, left=shape.turns[0], started_at=self.now)
             g.tokens += shape.prompt + sum(shape.turns) + shape.obs_tokens * (len(shape.turns) - 1)
@@ -193,6 +207,11 @@ class Simulation:
             self.lending.ready(req)
             return
         self.prefilling -= 1
+        if req.group.held is not None:  # aborted while in prefill or a tool call: held with its group
+            req.segment = 0.0
+            self.requests_out -= 1
+            req.group.held.append(req)
+            return
         # Later turns and resubmitted prefixes go first: their groups are the furthest along.
         if req.turn or req.resumed or not self.queue:
             self.queue.appendleft(req)
@@ -318,6 +337,8 @@ class Simulation:
             self.lending.stored(g)
         if self.rounds is not None:
             self.rounds.done(not zero)
+        if self.over is not None:
+            self.over.done(g, not zero)
         if self.tail is not None:
             self.tail_step()
         self.trainer.try_train()
@@ -334,6 +355,53 @@ class Simulation:
             self.queue.appendleft(req)
             self.blocked = False
             self.dispatch()
+
+    # ---- slime's over-provisioned rounds (reflow/sim/oversample.py): the abort and the resumption
+
+    def abort_round(self) -> None:
+        """The round's target is met (a step starts): every request still on an engine, queued, in
+        prefill or in a tool call stops, its progress kept in the request. With `mode.abort_carry` the
+        unfinished groups start first in the next round; else they are dropped."""
+        groups = self.over.close()
+        for g in groups:
+            g.held = []
+        for e in self.engines:
+            if not e.running:
+                continue
+            e.advance(self.now)
+            for _, _, req in list(e.running):
+                req.segment = e.remove(req)
+                self.rec.generated(req.segment)
+                self.n_running -= 1
+                self.requests_out -= 1
+                req.group.held.append(req)
+            e.token += 1
+            self.offer(e)
+        while self.queue:
+            req = self.queue.popleft()
+            req.segment = 0.0  # nothing generated since it was last (re)submitted
+            self.requests_out -= 1
+            req.group.held.append(req)
+        self.blocked = False
+        self.update_pressure()
+        for g in groups:  # requests in prefill or a tool call join their group in `on_ready`
+            if self.m.abort_carry:
+                self.over.carried.append(g)
+            else:
+                self.store.end_group(g.gid)
+
+    def resume_group(self, g: GroupState) -> None:
+        """A carried group starts again: its unfinished requests are resubmitted with their partial
+        responses (re-prefilled: the new weights invalidate the prefix cache), ahead of new work."""
+        self.over.start(g)
+        held, g.held = g.held or [], None
+        for req in held:
+            if req.ctx > req.shape.prompt:  # a partial response (slime: `sample.response` not empty)
+                self.over.resumed(self.version, req.segment)
+            req.resumed = True
+            self.requests_out += 1
+            self.prefilling += 1
+            self.push(self.now + req.ctx * self.dm.prefill_s_per_token, "ready", req)
 
     # ---- the sync (the trainer's), as the engines see it
 

@@ -27,6 +27,7 @@ from reflow.sim.costs import DecodeModel, sync_s, train_s
 from reflow.sim.engines import Engine
 from reflow.sim.lending import SimLending
 from reflow.sim.metrics import Recorder
+from reflow.sim.oversample import OverProvision
 from reflow.sim.store import SimStore
 
 
@@ -75,6 +76,7 @@ class RolloutSide(Protocol):
     dm: DecodeModel
     colocated: bool
     rounds: SyncRounds | None
+    over: OverProvision | None
     lending: SimLending | None
     store: SimStore
     rec: Recorder
@@ -87,6 +89,7 @@ class RolloutSide(Protocol):
     def pause_engines(self) -> list[Engine]: ...
     def wake(self, e: Engine, pause: float, counted: bool) -> None: ...
     def at_version_boundary(self) -> None: ...
+    def abort_round(self) -> None: ...
 
 
 class SimTrainer:
@@ -161,6 +164,8 @@ class SimTrainer:
             return
         step = self.version * self.trigger + self.chunk
         consume(sim.store, plan, step)
+        if sim.over is not None:  # slime: the target is met, whatever still runs is aborted
+            sim.abort_round()
         self.fresh_trained += len(plan.fresh)
         tokens = sum(g.meta["tokens"] for g in plan.groups)
         dt = train_s(
@@ -229,6 +234,9 @@ class SimTrainer:
         if sim.rounds is not None:
             sim.store.discard_fresh()  # spares of a finished sync step are never trained
             sim.rounds.reset()
+        if sim.over is not None:
+            sim.store.discard_fresh()  # slime keeps no finished group beyond the step's B
+            sim.over.reset()
         sim.store.prune(self.version - self.cycle.tau_max, self.cycle.max_reuse)
         sim.at_version_boundary()
         self.wait_since = sim.now

@@ -1,7 +1,9 @@
 """`reflow simulate --validate`: every published target with a full configuration (configs/sim/validate/)
 simulated in its baseline and its candidate mode, the speedup compared with the published one.
 
-A target passes when |simulated / published - 1| <= tolerance (15%). Targets whose scenario says
+A target passes when |simulated / published - 1| <= tolerance (15%). A speedup compares step times
+unless the scenario's `published.metric` says `rollout_tokens_per_s` (APRIL's rollout throughput:
+candidate / baseline). Targets whose scenario says
 `fit_subset: true` were used to fit the free parameters (their error is in-sample); the table says so,
 and the summary line reports the error over the others separately.
 """
@@ -46,6 +48,15 @@ def _key(s: Scenario) -> str:
     )
 
 
+def rollout_tokens_per_s(summary: dict) -> float:
+    """Tokens generated per second of the rollout phase, over the steady-state window: in the colocated
+    sync mode nothing generates while the trainer trains or syncs, so the phase is the trainer's wait
+    (APRIL's `tokens_throughput`: completion tokens of a rollout, aborted ones included, / its time)."""
+    if summary["mode"] != "sync":
+        raise ValueError(f"rollout_tokens_per_s is a sync-mode figure, not {summary['mode']!r}")
+    return summary["generated_tokens_per_s"] * summary["seconds_per_step"] / summary["trainer_wait_s"]
+
+
 def run_target(s: Scenario, cache: dict[str, dict]) -> TargetResult:
     if s.published is None or s.baseline is None:
         raise ValueError(f"{s.name}: a validation scenario needs `baseline:` and `published:`")
@@ -55,7 +66,9 @@ def run_target(s: Scenario, cache: dict[str, dict]) -> TargetResult:
         cache[key] = simulate(base)
     b = cache[key]
     c = simulate(s)
-    if s.published.speedup is not None:
+    if s.published.speedup is not None and s.published.metric == "rollout_tokens_per_s":
+        published, simulated = s.published.speedup, rollout_tokens_per_s(c) / rollout_tokens_per_s(b)
+    elif s.published.speedup is not None:
         published, simulated = s.published.speedup, b["seconds_per_step"] / c["seconds_per_step"]
     else:
         assert s.published.step_s is not None
