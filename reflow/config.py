@@ -539,6 +539,13 @@ class RunConfig(_Section):
                 "elastic.lend needs engine.kind torch on resources.device cpu (the lent engine shares "
                 "its slot; lending a GPU is not supported yet)"
             )
+        if self.rollout.episode_deadline_s is not None:
+            # a lent engine's episodes pause through train steps: a runner deadline would run on
+            # through them (the env's own deadline is moved by the pause)
+            raise ValueError(
+                "rollout.episode_deadline_s does not combine with elastic.lend (a lent engine's "
+                "episodes wait out train steps paused); the env's deadline_s does"
+            )
         if len(self.resources.slots) > 2:
             # moving a slot whose engine is lent (its paused groups) is not built yet: on two slots no
             # move is possible and lending is the pool's only action

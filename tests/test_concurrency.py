@@ -92,6 +92,47 @@ async def test_a_cancelled_waiting_call_gives_its_place_back():
     assert len((await engine.generate([1], params, "c")).output_ids) == 5
 
 
+class ForgetfulEngine(CountingEngine):
+    """Ignores an abort of a request it is not running, as TorchEngine and SGLang's server do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running: set[str] = set()
+        self.started: list[str] = []
+
+    async def generate(self, input_ids, params, request_id=None):
+        self.running.add(request_id)
+        self.started.append(request_id)
+        try:
+            return await super().generate(input_ids, params, request_id)
+        finally:
+            self.running.discard(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self.running:
+            await super().abort(request_id)
+
+
+async def test_an_abort_between_a_calls_grant_and_its_start_keeps_it_off_the_engine():
+    """A place freed hands the next waiting call its grant; an abort that comes before that call runs
+    (a pause) must stop it: the engine, which does not know it yet, would ignore the abort."""
+    inner = ForgetfulEngine()
+    engine = LimitedEngine(inner, 1)
+    params = SamplingParams(max_new_tokens=5)
+    first = asyncio.ensure_future(engine.generate([1], params, "a"))
+    second = asyncio.ensure_future(engine.generate([1], params, "b"))
+    while engine.waiting < 1:
+        await asyncio.sleep(0)
+    engine.set_limit(2)  # b is granted a place; its task has not run yet
+    assert engine.active == 2 and engine.waiting == 0
+    await engine.abort("b")
+    out = await second
+    assert out.finish_reason == "abort" and out.output_ids == [] and inner.started == ["a"]
+    assert len((await first).output_ids) == 5
+    assert engine.active == 0  # b's place given back
+    assert len((await engine.generate([1], params, "c")).output_ids) == 5
+
+
 async def test_set_concurrency_applied_changes_the_workers_limit():
     tail = WorkerTail(CountingEngine(), "w3", limit=8)
     assert (await tail.progress())["limit"] == 8

@@ -117,6 +117,10 @@ def test_an_env_id_of_a_namespace_is_accepted():
         ),
         (["env.id=reflow/Calc-v0", "mode=async", "elastic.lend=true"], "elastic.lend needs the elastic pool"),
         (
+            ["env.id=reflow/Calc-v0", "mode=reflow", "elastic.lend=true", "rollout.episode_deadline_s=60"],
+            "rollout.episode_deadline_s does not combine with elastic.lend",
+        ),
+        (
             [
                 "env.id=reflow/Calc-v0",
                 "mode=reflow",

@@ -233,7 +233,9 @@ def test_a_lent_engine_running_on_beside_a_step_adds_no_stored_time_the_step_hol
     now[0] = 104.0  # 4 s while the trainer waits
     assert [e["what"] for e in lent.pause(4)] == ["lent_runs_on"]  # past eta: it runs on
     now[0] = 110.0  # 6 s beside the step
-    lent.resume()  # the step is over: the trainer waits again
+    lent.step_done()  # the step's result is in; the loop's bookkeeping (checkpoint, evaluation) follows
+    now[0] = 111.0
+    lent.resume()  # the trainer waits again
     now[0] = 112.0  # 2 s more while it waits
     assert lent.done("a")
     assert lent.busy_s() == pytest.approx(12.0) and lent.stored_s() == pytest.approx(6.0)

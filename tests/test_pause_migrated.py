@@ -112,3 +112,28 @@ def test_a_groups_episode_seconds_leave_out_their_paused_time():
         _episode(0.0, "ok", [], {"total_s": 8.0}),
     ]
     assert report_group(records, 40.0).episode_seconds == [10.0, 8.0]
+
+
+async def test_a_migrations_first_token_leaves_out_its_wait_at_a_paused_targets_gate():
+    home, target_engine = CountingEngine(version=3), CountingEngine(version=3)
+    routes = Routes(LimitedEngine(home, 8), "w0")
+    target = WorkerTail(target_engine, "w1", limit=8)
+    await target.routes.pause()  # the target's worker is paused (its trainer's step)
+    route = routes.open("ep", "g")
+
+    async def migrate_at_2(n: int, rid: str) -> None:
+        if n == 2 and not home.aborted:
+            await routes.migrate("ep", TailHandle(target), "w1")
+
+    home.on_token = migrate_at_2
+    call = asyncio.ensure_future(route.generate(PROMPT, SamplingParams(max_new_tokens=8), "req"))
+    await _ticks(40)
+    assert not call.done() and target_engine.prompts == []  # the probe waits at the target's gate
+    await asyncio.sleep(0.1)
+    target.routes.resume()
+    out = await asyncio.wait_for(call, 5)
+    assert out.output_ids == expected_ids(8, PROMPT)
+    (report,) = routes.take_measured()
+    # the re-prefill's time is the target's computing, not its pause; the pause is the episode's
+    assert report["outcome"] == "ok" and report["first_token_s"] < 0.05
+    assert route.paused_total_s >= 0.1 and route.counters["reprefill_s"] < 0.05

@@ -211,6 +211,10 @@ def test_sync_run_with_two_rollout_workers_migrates_its_stragglers_and_loses_no_
     why = "restored from the checkpoint"
     restored = {r["engine"]: r["limit"] for r in resumed if r["kind"] == "tail" and r.get("why") == why}
     assert restored == saved["tail"]["limits"]
+    # resumed once more with the tail off: its checkpoints carry no tail state a later resume would take
+    train_and_read([*overrides[:-1], "tail.enabled=false", "train.steps=7"], resume=True)
+    last = json.loads((latest_checkpoint(run_dir / "checkpoints") / STATE_FILE).read_text())
+    assert last["extra"]["run_state"]["scheduler"] == {}
 
 
 @pytest.mark.parametrize("mode", ["sync", "reflow"])

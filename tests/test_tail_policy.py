@@ -90,6 +90,18 @@ def test_over_provision_starts_the_missing_groups():
     assert isinstance(act, OverProvision) and (act.start, act.extra) == (6, 4)
     assert "6 of 8 + 4 started" in act.reason
     assert TailPolicy(TailConfig(over_provision_max=0.0)).decide(o)[0].start == 2  # B only
+    # 2 groups more finishing (their episodes ended, results on the way): started, so 4 more, not 6
+    done_soon = TailObservation(
+        8,
+        2,
+        episodes,
+        (EngineState("e0", 4, 8),),
+        group_seconds=GROUPS_S,
+        groups_queued=1,
+        groups_finishing=2,
+    )
+    (act,) = TailPolicy().decide(done_soon)
+    assert isinstance(act, OverProvision) and act.start == 4 and "8 of 8 + 4 started" in act.reason
 
 
 def test_once_b_groups_are_done_the_rest_carry_over():

@@ -38,6 +38,7 @@ class RecordedRuntime(TailRuntime):
         self.asked: list = []
         self.snapshot = snapshot
         self.owner = {ep["id"]: ep["owner"] for ep in snapshot.episodes}
+        self.seen = {ep["group"] for ep in snapshot.episodes}
 
     def poll(self, now, force=False):
         return []
@@ -96,13 +97,15 @@ def test_a_group_whose_episodes_all_closed_before_its_report_came_still_counts_a
     progress: it stays in the policy's view (placeholders), so the batch's started groups are all
     counted and over-provisioning starts none too many."""
     rt = RecordedRuntime(Snapshot(at=10.0, episodes=[_ep("a", "g1", "w0")], limits={"w0": 8, "w2": 8}))
-    in_flight = [GroupInFlight(0, "g1", 0.0), GroupInFlight(1, "g2", 1.0)]  # g2 listed earlier, now closed
-    episodes, loads, _ = rt.observe(in_flight, now=12.0)
-    assert sorted({e.group for e in episodes}) == ["g1", "g2"] and loads == [2, 2]
-    assert [(e.id, e.engine, e.tokens) for e in episodes if e.group == "g2"] == [
-        ("g2#0", "w2", 4096),
-        ("g2#1", "w2", 4096),
-    ]  # on its worker, never worth moving
+    rt.seen.add("g2")  # an earlier snapshot listed g2's episodes; this one does not: they all closed
+    in_flight = [GroupInFlight(0, "g1", 0.0), GroupInFlight(1, "g2", 1.0), GroupInFlight(1, "g3", 11.0)]
+    episodes, _, _ = rt.observe(in_flight, now=12.0)
+    # g2 is finishing: counted, running on no engine; g3 (started since) has placeholders
+    assert rt.finishing == 1 and sorted({e.group for e in episodes}) == ["g1", "g3"]
+    gate = TailGate(TailPolicy(), batch=8, per_worker=4, group_size=2, runtime=rt)
+    look = gate.look(0, in_flight, [1, 2], 12.0)
+    over = [e for e in look.events if e["what"] == "over_provision"]
+    assert over and "3 of 8 + 0 started" in over[0]["why"]  # g1, g3 and the finishing g2
 
 
 def test_gate_applies_migrations_frees_the_source_for_the_next_batch_and_sets_limits():

@@ -187,12 +187,15 @@ class TailObservation:
     """Groups of this batch planned but waiting for an engine (while > 0 there is no tail yet)."""
     next_batch_room: int = 0
     """Groups of the next batch the driver may start now (admission control's room)."""
+    groups_finishing: int = 0
+    """Groups started whose episodes all ended, their results not yet counted done: started, running
+    on no engine."""
 
     def __post_init__(self) -> None:
         if self.batch_target < 1:
             raise ValueError(f"batch_target must be >= 1, got {self.batch_target}")
-        if min(self.groups_done, self.groups_queued, self.next_batch_room) < 0:
-            raise ValueError("groups_done, groups_queued and next_batch_room must be >= 0")
+        if min(self.groups_done, self.groups_queued, self.next_batch_room, self.groups_finishing) < 0:
+            raise ValueError("groups_done, groups_queued, next_batch_room and groups_finishing must be >= 0")
         if not (math.isfinite(self.prefill_tokens_per_s) and self.prefill_tokens_per_s >= 0):
             raise ValueError(f"prefill_tokens_per_s must be finite and >= 0, got {self.prefill_tokens_per_s}")
         known = {e.id for e in self.engines}
@@ -218,6 +221,7 @@ def observe(
     prefill_tokens_per_s: float = 0.0,
     groups_queued: int = 0,
     next_batch_room: int = 0,
+    groups_finishing: int = 0,
 ) -> TailObservation:
     """The policy's observation from a driver's counters: the durations of the groups and episodes
     completed so far become their recent quantiles (`Quantiles.observed`)."""
@@ -231,6 +235,7 @@ def observe(
         prefill_tokens_per_s=prefill_tokens_per_s,
         groups_queued=groups_queued,
         next_batch_room=next_batch_room,
+        groups_finishing=groups_finishing,
     )
 
 
@@ -289,7 +294,7 @@ class TailPolicy:
                 )
         else:
             delta, why = self.extra_groups(b, obs.group_seconds)
-            started = obs.groups_done + len(in_flight) + obs.groups_queued
+            started = obs.groups_done + len(in_flight) + obs.groups_queued + obs.groups_finishing
             if b + delta > started:
                 actions.append(
                     OverProvision(b + delta - started, delta, f"{started} of {b} + {delta} started; {why}")

@@ -128,8 +128,9 @@ def sync_loop(
     cannot fit, judged by the mean round so far. With `tail.enabled`, a round over-provisions and
     its unfinished groups carry over, paused (`reflow.recipes.sync_tail`)."""
     tail = SyncTail(cluster, config, pending) if config.tail.active("sync") else None
-    if tail is not None and state.scheduler:  # a resume: the tail's durations and limits back
-        tail.load_state_dict(state.scheduler, state, log)
+    saved, state.scheduler = state.scheduler, {}  # what this run adapts is saved anew (none: tail off)
+    if tail is not None and saved:  # a resume: the tail's durations and limits back
+        tail.load_state_dict(saved, state, log)
     while steps_left(state, config.train.steps):
         rounds = state.step + state.steps_no_signal
         if out_of_time(config.train.seconds, clock.now(), state.wall_s / rounds if rounds else 0.0):

@@ -159,6 +159,8 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
         weights.collect(ready)  # sync weights: record confirmed versions, start due pushes
         for ref in ready:
             if step is not None and ref == step.refs[0]:
+                if lent is not None:  # the trainer's step time ends here, not after its bookkeeping
+                    lent.step_done()
                 before = state.version
                 _finish_step(cluster, config, log, state, clock, step, got.reports, share, weights, saved)
                 trained[state.version] = trained[before] + step.fresh

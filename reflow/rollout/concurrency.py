@@ -4,7 +4,8 @@
   a worker runs on its engine: its own episodes' and those migrated to it from other workers). The
   tail scheduler's `SetConcurrency` moves the limit (`set_limit`); calls over it wait in order, and
   `abort` of a waiting call finishes it at once with finish_reason "abort" and no tokens, as the
-  engine does for a request it has not started.
+  engine does for a request it has not started; so does an abort that comes after its call was
+  granted a place but before it reached the engine (an engine ignores ids it does not know).
 - `ConcurrencyCurve` (pure arithmetic, no clock): (concurrency, tokens/s) points from the engine's
   `health()` counters sampled over time. Each pair of consecutive samples is an interval whose
   concurrency is the mean of the two `running` readings (rounded half up) and whose rate is the
@@ -79,6 +80,8 @@ class LimitedEngine:
         self._limit = self._checked(limit)
         self.active = 0
         self._queue: collections.OrderedDict[str, asyncio.Future[bool]] = collections.OrderedDict()
+        self._granted: set[str] = set()  # given a place, not yet on the engine
+        self._aborted_granted: set[str] = set()
 
     @staticmethod
     def _checked(limit: int) -> int:
@@ -108,7 +111,13 @@ class LimitedEngine:
         self, input_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> GenerateResult:
         rid = request_id or uuid.uuid4().hex
-        if not await self._acquire(rid):
+        granted = await self._acquire(rid)
+        self._granted.discard(rid)
+        if rid in self._aborted_granted:  # aborted between its grant and now: it never starts
+            self._aborted_granted.discard(rid)
+            self._release()
+            granted = False
+        if not granted:
             meta = {"request_id": rid, "aborted_waiting": True}
             return GenerateResult([], [], "abort", self.engine.weight_version, len(input_ids), meta=meta)
         try:
@@ -121,6 +130,9 @@ class LimitedEngine:
         if waiting is not None:
             if not waiting.done():
                 waiting.set_result(False)
+            return
+        if request_id in self._granted:
+            self._aborted_granted.add(request_id)
             return
         await self.engine.abort(request_id)
 
@@ -152,6 +164,8 @@ class LimitedEngine:
         except asyncio.CancelledError:
             granted = future.done() and not future.cancelled() and future.result()
             if self._queue.pop(rid, None) is None and granted:  # granted just before the cancel
+                self._granted.discard(rid)
+                self._aborted_granted.discard(rid)
                 self._release()
             raise
 
@@ -161,7 +175,8 @@ class LimitedEngine:
 
     def _grant(self) -> None:
         while self._queue and self.active < self._limit:
-            _, future = self._queue.popitem(last=False)
+            rid, future = self._queue.popitem(last=False)
             if not future.done():
                 self.active += 1
+                self._granted.add(rid)
                 future.set_result(True)

@@ -88,11 +88,13 @@ class Migration:
     episode ended before it generated again)."""
     resubmitted: bool = False
     """The target was sent the prefix (else nothing was re-prefilled)."""
+    paused_before: float = 0.0
+    """The episode's paused seconds when it was decided: a pause after it is left out of `handoff_s`."""
 
     def report(self) -> dict[str, Any]:
         """The measured effect; `reprefill_tokens` 0 when nothing was resubmitted (it ended first)."""
         out = asdict(self)
-        del out["started"], out["resubmitted"]
+        del out["started"], out["resubmitted"], out["paused_before"]
         tokens = out.pop("tokens")
         out["reprefill_tokens"] = tokens if self.resubmitted else 0
         return out
@@ -176,6 +178,7 @@ class EpisodeRoute:
         mig = Migration(
             self.episode, self.group, self.engine_name, name, self.clock(), self.tokens, part is not None
         )
+        mig.paused_before = self.paused_total_s
         self.pending, self.engine, self.engine_name = mig, target, name
         if part is not None:
             with contextlib.suppress(Exception):  # a source that cannot abort fails its call: handled there
@@ -226,9 +229,10 @@ class EpisodeRoute:
                 parts += 1
                 n = 1 if probe else params.max_new_tokens - len(out)
                 started = self.clock()
-                if mig is not None:
+                if mig is not None:  # the pauses since the migration are no part of its handoff
                     mig.resubmitted = True
-                    mig.handoff_s = started - mig.started if mig.in_flight else None
+                    handoff = started - mig.started - (self.paused_total_s - mig.paused_before)
+                    mig.handoff_s = handoff if mig.in_flight else None
                     reprefill += mig.tokens
                 self._part = (engine, part_rid)
                 try:
@@ -246,7 +250,8 @@ class EpisodeRoute:
                     continue
                 finally:
                     self._part = None
-                self._add_paused(float(last.meta.get("paused_s", 0.0)))  # at a paused target's gate
+                waited = float(last.meta.get("paused_s", 0.0))  # at a paused target's gate
+                self._add_paused(waited)
                 out += last.output_ids
                 logprobs += last.logprobs
                 versions += last.meta.get("token_versions") or [last.weight_version] * len(last.output_ids)
@@ -254,20 +259,26 @@ class EpisodeRoute:
                 reprefill += int(last.meta.get("reprefill_tokens", 0))  # the engine's own resubmits
                 self._version = last.weight_version
                 self.tokens = len(input_ids) + len(out)
-                if mig is not None and self.pending is mig:
-                    mig.first_token_s = self.clock() - started
-                    self._finish(mig, "ok")
                 moved = self.engine is not engine and rid not in self._user_aborted
                 # paused here, or by the target it was migrated to (`WorkerTail.pause_served`)
                 paused = (part_rid in self._paused or bool(last.meta.get("paused"))) and (
                     rid not in self._user_aborted
                 )
                 self._paused.discard(part_rid)
+                probing = mig is not None and self.pending is mig
+                if probing and not paused and (last.output_ids or last.finish_reason != "abort"):
+                    assert mig is not None
+                    mig.first_token_s = self.clock() - started - waited
+                    self._finish(mig, "ok")
+                elif probing:  # paused (or aborted) before its first token: timed at its next resubmission
+                    assert mig is not None
+                    mig.tokens = len(input_ids) + len(out)
                 if last.finish_reason == "abort" and paused and not moved:
                     if len(out) >= params.max_new_tokens:  # paused at the very end of its token budget
                         last = replace(last, finish_reason="length")
                         break
-                    reprefill += len(input_ids) + len(out)  # its engine computes the prefix again
+                    if not probing:  # (a pending migration counts its re-prefill when resubmitted)
+                        reprefill += len(input_ids) + len(out)  # its engine computes the prefix again
                     split_at = len(out) if split_at is None else split_at
                     continue
                 if last.finish_reason == "abort" and moved:

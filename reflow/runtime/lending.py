@@ -131,11 +131,15 @@ class LentEngines:
                 self._beside_since[engine] = now
         return events
 
-    def resume(self) -> None:
-        """The trainer waits (its step is over): the paused engines' episodes resubmit, on the weights
-        the engines have."""
+    def step_done(self) -> None:
+        """The train step is over: an engine running on generates beside no step from now on (its
+        seconds count in `stored_s` again)."""
         for engine in range(len(self._beside)):
             self._end_beside(engine)
+
+    def resume(self) -> None:
+        """The trainer waits: the paused engines' episodes resubmit, on the weights the engines have."""
+        self.step_done()
         self._resume(sorted(self.paused))
 
     def _resume(self, engines: list[int]) -> None:

@@ -14,10 +14,10 @@ without one they are logged as not applied. Every decision that changes is a met
 
 - `poll`: every `POLL_S` at most, each rollout worker's `progress()` (its episodes with their turns,
   context tokens and seconds, the engine each generates on now, its concurrency limit and measured
-  curve, its prefill rate, the migrations it measured): a snapshot. Groups in flight that it does not
-  list (started since, or finishing: every episode closed, the report on its way) are placeholders
-  until the next (one entry per episode, on their worker, priced at the whole context budget: a
-  prefix not known is not worth moving), so the policy counts every group the loop started.
+  curve, its prefill rate, the migrations it measured): a snapshot. Groups started since and not yet
+  seen are placeholders until the next (one entry per episode, on their worker, priced at the whole
+  context budget: a prefix not known yet is not worth moving); groups seen before and no longer listed
+  are finishing (every episode closed, the report on its way): counted as started, running nowhere.
 - `observe`: the policy's episodes and engines from the snapshot, with the migrations applied since,
   and each engine's load in sequences (its groups' episodes, minus those migrated away, plus those
   migrated to it): the loop starts groups where the load leaves room under the engine's limit.
@@ -95,6 +95,9 @@ class TailRuntime:
         self.cluster, self.group_size, self.limit, self.poll_s = cluster, group_size, limit, poll_s
         self.unknown_tokens = unknown_tokens
         self.snapshot: Snapshot | None = None
+        self.seen: set[str] = set()  # groups whose episodes a snapshot listed
+        self.finishing = 0
+        """Groups in flight at the last `observe` whose episodes all closed (reports on the way)."""
         self.moved: dict[str, str] = {}  # episode -> engine it moved to since the snapshot
         self.owner: dict[str, str] = {}  # episode -> the engine of the worker that runs it
         # episode -> its moves applied and not yet measured, in order: (decision, predicted seconds);
@@ -131,6 +134,7 @@ class TailRuntime:
             events += [self._measured(m) for m in report["migrations"]]
         snap.prefill_tokens_per_s = min(rates) if rates else 0.0  # the slowest: a move that pays there pays
         self.snapshot, self.moved, self.limits = snap, {}, {}
+        self.seen |= {ep["group"] for ep in snap.episodes}
         self.owner = {ep["id"]: ep["owner"] for ep in snap.episodes}
         return events
 
@@ -162,13 +166,15 @@ class TailRuntime:
                 )
             )
         listed = {ep["group"] for ep in snap.episodes}
-        for g in in_flight:  # started since the snapshot, or finishing: placeholders until the next one
-            if g.group_id not in listed:
+        self.finishing = sum(g.group_id in self.seen and g.group_id not in listed for g in in_flight)
+        for g in in_flight:  # started since the snapshot: placeholders until the next one
+            if g.group_id not in self.seen:
                 age, tokens = now - g.started, self.unknown_tokens
                 episodes += [
                     InFlightEpisode(f"{g.group_id}#{i}", g.group_id, ids[g.worker], 0, tokens, age)
                     for i in range(self.group_size)
                 ]
+        self.seen &= live  # only groups still in flight need remembering
         groups = Counter(g.worker for g in in_flight)
         loads = [self.group_size * groups[p] + shift[e] for p, e in enumerate(ids)]
         return tuple(episodes), loads, [self.engine_limit(e) for e in ids]
@@ -389,12 +395,12 @@ class TailGate:
         if self.policy is None:
             return TailLook(None, loads=seqs, limits=limits, group_size=self.group_size)
         events: list[dict[str, Any]] = []
-        prefill = 0.0
+        prefill, finishing = 0.0, 0
         if self.runtime is not None:  # the workers' progress: episodes, engine limits and curves
             rt = self.runtime
             events += rt.poll(now)
             episodes, seqs, limits = rt.observe(in_flight, now)
-            names, prefill = rt.engine_ids(), rt.prefill_tokens_per_s
+            names, prefill, finishing = rt.engine_ids(), rt.prefill_tokens_per_s, rt.finishing
             engines = tuple(
                 EngineState(
                     e,
@@ -421,6 +427,7 @@ class TailGate:
             episode_seconds=self._episode_s,
             prefill_tokens_per_s=prefill,
             next_batch_room=next_room,
+            groups_finishing=finishing,
         )
         look = self.apply(self.policy.decide(obs), fresh_waiting + len(in_flight), next_room)
         look.events[:0] = events

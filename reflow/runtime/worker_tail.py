@@ -107,8 +107,9 @@ class WorkerTail:
             result = await self.limited.generate(input_ids, params, rid)
         finally:
             self._served.discard(rid)
-        paused = rid in self._pause_aborted and result.finish_reason == "abort"
-        self._pause_aborted.discard(rid)
+            paused = rid in self._pause_aborted
+            self._pause_aborted.discard(rid)
+        paused = paused and result.finish_reason == "abort"
         if not (paused or waited):
             return result
         return replace(result, meta={**result.meta, "paused": paused, "paused_s": waited})
@@ -118,6 +119,7 @@ class WorkerTail:
             self._early_aborts[request_id] = None  # comes, returns "abort" at once
             while len(self._early_aborts) > REMEMBERED_ABORTS:
                 self._early_aborts.popitem(last=False)
+            return
         await self.limited.abort(request_id)
 
     async def pause_served(self) -> int:

@@ -210,8 +210,8 @@ class RolloutWorker:
     async def pause_episodes(self) -> int:
         """Sync mode's partial rollouts: no episode generates until `resume_episodes` (requests in flight
         aborted, their tokens kept); the engine's KV memory goes back meanwhile. The episodes paused."""
-        paused = await self.tail.routes.pause()
-        await self.tail.pause_served()  # requests migrated in from other workers' episodes
+        # its own episodes' requests and those migrated in from other workers' pause together
+        paused, _ = await asyncio.gather(self.tail.routes.pause(), self.tail.pause_served())
         await self._release_cache()  # a no-op while an aborted request is still winding down
         return paused
 
