@@ -153,8 +153,10 @@ def test_sync_run_with_tail_handling_carries_groups_over_and_loses_none(tmp_path
     assert all(r.status != "infra_error" for r in records)
     carried = [r for r in records if r.policy_version_start < r.policy_version_end]
     assert carried
-    # a carried episode waited paused through the step; its duration for the tail's quantiles does not
-    assert all(r.timings.get("paused_s", 0.0) > 0.0 for r in carried)
+    # carried episodes waited paused through the step (one that was in its env step all along did not
+    # wait); the time is in their records, apart from their duration for the tail's quantiles
+    assert any(r.timings.get("paused_s", 0.0) > 0.0 for r in carried)
+    assert all(r.timings.get("paused_s", 0.0) < r.timings["total_s"] for r in records)
 
 
 @pytest.mark.slow
