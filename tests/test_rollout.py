@@ -246,3 +246,38 @@ async def test_real_engine_rows_reproduce_the_sampled_logprobs(tmp_path):
             recorded = torch.tensor(seg.logprobs[1:])
             assert mask.any()
             assert torch.allclose(recomputed[mask], recorded[mask], atol=1e-4)
+
+
+async def test_collect_gives_a_finished_episodes_place_to_the_next_group_while_stragglers_run_on():
+    """Two groups whose first episodes straggle hold two places, not two groups' worth: with four
+    places the third group starts as soon as the short episodes end; never more than four run."""
+    import time
+
+    from reflow.rollout.collect import collect
+
+    loop_start, running, peak = time.monotonic(), 0, 0
+    started: dict[int, float] = {}
+    calls: dict[int, int] = {}
+    closed: list[int] = []
+
+    class Runner:
+        config = RolloutConfig(sampling=SamplingParams(max_new_tokens=4))
+
+        async def run(self, env, *, task, seed, group_id, sampling):
+            nonlocal running, peak
+            running += 1
+            peak = max(peak, running)
+            started.setdefault(seed, time.monotonic() - loop_start)
+            calls[seed] = calls.get(seed, 0) + 1
+            straggler = seed in (0, 1) and calls[seed] == 1
+            try:
+                await asyncio.sleep(0.5 if straggler else 0.01)
+            finally:
+                running -= 1
+            closed.append(seed)
+            return (seed, straggler)
+
+    records = await collect(Runner(), "reflow/Calc-v0", 8, group_size=2, concurrency=4, seed=0)
+    assert sorted(s for s, _ in records) == [0, 0, 1, 1, 2, 2, 3, 3] and peak <= 4
+    assert started[2] < 0.25 and started[3] < 0.25  # not held back by groups 0 and 1's stragglers
+    assert sorted(closed[-2:]) == [0, 1]  # groups 2 and 3 ended while the stragglers ran on

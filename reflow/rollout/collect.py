@@ -32,18 +32,28 @@ async def collect(
     env_kwargs: dict[str, Any] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[EpisodeRecord]:
-    """`episodes` episodes in groups of `group_size` (task seed = seed + group index), `concurrency`
-    episodes in flight at once on the runner's engine. `progress(groups done, groups)` after each."""
+    """`episodes` episodes in groups of `group_size` (task seed = seed + group index), at most
+    `concurrency` episodes in flight at once on the runner's engine (at least one group): a group starts,
+    in order, once its episodes all have a place, and each episode hands its place back as it ends,
+    so a group's stragglers hold no place of its finished episodes. `progress(groups done, groups)`
+    after each group."""
     n_groups = max(1, episodes // group_size)
-    limit = asyncio.Semaphore(max(1, concurrency // group_size))
+    places = asyncio.Semaphore(max(group_size, concurrency))
+    starting = asyncio.Lock()  # one group takes its places at a time: no two wait half-placed
     done = 0
 
     async def one(g: int) -> list[EpisodeRecord]:
         nonlocal done
-        async with limit:
+        async with starting:
+            for _ in range(group_size):
+                await places.acquire()
+        returning = _Returning(runner, places, group_size)
+        try:
             group = await run_group(
-                runner, lambda: make(env_id, **(env_kwargs or {})), group_size, seed=seed + g
+                returning, lambda: make(env_id, **(env_kwargs or {})), group_size, seed=seed + g
             )
+        finally:
+            returning.give_back_rest()
         done += 1
         if progress is not None:
             progress(done, n_groups)
@@ -51,6 +61,30 @@ async def collect(
 
     groups = await asyncio.gather(*(one(g) for g in range(n_groups)))
     return [rec for group in groups for rec in group]
+
+
+class _Returning:
+    """An episode runner that hands one of `collect`'s places back as each episode it plays ends."""
+
+    def __init__(self, runner: EpisodeRunner, places: asyncio.Semaphore, held: int) -> None:
+        self.runner, self.places, self.held = runner, places, held
+        self.config = runner.config
+
+    async def run(self, *args: Any, **kwargs: Any) -> EpisodeRecord:
+        try:
+            return await self.runner.run(*args, **kwargs)
+        finally:
+            self._give_back(1)
+
+    def give_back_rest(self) -> None:
+        """The places of episodes that never ran (the group failed before them)."""
+        self._give_back(self.held)
+
+    def _give_back(self, n: int) -> None:
+        n = min(n, self.held)
+        self.held -= n
+        for _ in range(n):
+            self.places.release()
 
 
 class ProgressLines:

@@ -15,6 +15,7 @@ the env and the record stay here, the record's `timings` count the migrations an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
 import uuid
@@ -274,26 +275,25 @@ async def run_group(
     group_id: str | None = None,
     sampling: SamplingParams | None = None,
 ) -> list[EpisodeRecord]:
-    """G episodes of one task, in flight together on the runner's engine (a GRPO group)."""
+    """G episodes of one task, in flight together on the runner's engine (a GRPO group). Each env is
+    closed as its episode ends (a sandbox is not held while the group's stragglers run on)."""
     envs = [make_env() for _ in range(group_size)]
-    if task is None:
-        task = envs[0].pick_task(seed)
     group_id = group_id or uuid.uuid4().hex
     base = sampling or runner.config.sampling
-    try:
-        return list(
-            await asyncio.gather(
-                *(
-                    runner.run(
-                        env,
-                        task=task,
-                        seed=seed,
-                        group_id=group_id,
-                        sampling=base.child(seed, i),
-                    )
-                    for i, env in enumerate(envs)
-                )
+
+    async def play(i: int, env: Env) -> EpisodeRecord:
+        try:
+            return await runner.run(
+                env, task=task, seed=seed, group_id=group_id, sampling=base.child(seed, i)
             )
-        )
-    finally:
+        finally:
+            with contextlib.suppress(Exception):
+                await env.close()
+
+    try:
+        if task is None:
+            task = envs[0].pick_task(seed)
+        return list(await asyncio.gather(*(play(i, env) for i, env in enumerate(envs))))
+    except BaseException:  # an env that never played (pick_task failed, or cancelled first) closes too
         await asyncio.gather(*(env.close() for env in envs), return_exceptions=True)
+        raise
