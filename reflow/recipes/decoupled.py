@@ -35,9 +35,9 @@ import ray
 
 from reflow.config import RunConfig
 from reflow.policy.dual_cycle import AdmissionControl, ReplayShare
-from reflow.policy.tail import QUANTILE_WINDOW, TailPolicy
+from reflow.policy.tail import TailPolicy
 from reflow.recipes.checkpoints import after_step
-from reflow.recipes.loop_counters import Arrivals, BusyClock
+from reflow.recipes.loop_counters import Arrivals, BusyClock, saved_durations
 from reflow.recipes.run_log import RunLog, step_record
 from reflow.recipes.run_state import Clock, RunState, next_seeds, out_of_time, steps_left, took_step
 from reflow.recipes.weight_sync import WeightPusher
@@ -353,10 +353,7 @@ def _scheduler_state(
     """The adaptive state a checkpoint saves (`RunState.scheduler`)."""
     return {
         "replay_share": share.state_dict() if share else None,
-        "durations": {
-            "group_s": got.seconds[-QUANTILE_WINDOW:],
-            "episode_s": got.episode_seconds[-QUANTILE_WINDOW * 8 :],
-        },
+        "durations": saved_durations(got.seconds, got.episode_seconds),
         "tail": tail.state_dict(),
         "elastic": elastic.state_dict() if elastic else None,
         "roles": cluster.roles(),

@@ -1,7 +1,8 @@
 """The decoupled loop's counters (`reflow.recipes.decoupled`): each rollout worker's busy time
 (`BusyClock`, the idle ratios and the elastic policy's rollout rate) and the groups that arrived
 (`Arrivals`: reports since the last step, groups with reward spread, durations for the time budget's
-estimate and the tail's quantiles).
+estimate and the tail's quantiles), and what a checkpoint keeps of those durations (`saved_durations`,
+the sync loop's tail saves the same).
 """
 
 from __future__ import annotations
@@ -9,7 +10,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from reflow.policy.tail import QUANTILE_WINDOW
 from reflow.runtime.workers import GroupReport
+
+
+def saved_durations(group_s: list[float], episode_s: list[float]) -> dict[str, list[float]]:
+    """The recent group and episode durations a checkpoint keeps (what the tail's quantiles read: a
+    window of groups, and up to 8 episodes a group)."""
+    return {"group_s": group_s[-QUANTILE_WINDOW:], "episode_s": episode_s[-QUANTILE_WINDOW * 8 :]}
 
 
 class BusyClock:

@@ -42,7 +42,8 @@ from typing import Any
 import ray
 
 from reflow.config import RunConfig
-from reflow.policy.tail import QUANTILE_WINDOW, TailPolicy
+from reflow.policy.tail import TailPolicy
+from reflow.recipes.loop_counters import saved_durations
 from reflow.recipes.run_log import RunLog
 from reflow.recipes.run_state import RunState, next_seeds, observe_tasks
 from reflow.runtime.cluster import Cluster
@@ -158,10 +159,7 @@ class SyncTail:
         """The adaptive state a checkpoint saves (`RunState.scheduler`, the decoupled loop's keys): the
         recent group and episode durations behind the quantiles, each engine's concurrency limit."""
         return {
-            "durations": {
-                "group_s": self.seconds[-QUANTILE_WINDOW:],
-                "episode_s": self.episode_seconds[-QUANTILE_WINDOW * 8 :],
-            },
+            "durations": saved_durations(self.seconds, self.episode_seconds),
             "tail": self.gate.state_dict(),
         }
 
