@@ -35,6 +35,32 @@ import ray
 from reflow.policy.lending import lent_engine_yields
 
 
+class _Clocks:
+    """One stopwatch per engine: seconds accumulated while running, a running one read up to now."""
+
+    def __init__(self, n: int) -> None:
+        self.total = [0.0] * n
+        self.since: list[float | None] = [None] * n  # running since (None: stopped)
+
+    def running(self, i: int) -> bool:
+        return self.since[i] is not None
+
+    def start(self, i: int) -> None:
+        """Start `i` (one already running keeps its start)."""
+        if self.since[i] is None:
+            self.since[i] = time.monotonic()
+
+    def stop(self, i: int) -> None:
+        since = self.since[i]
+        if since is not None:
+            self.total[i] += time.monotonic() - since
+            self.since[i] = None
+
+    def read(self, i: int) -> float:
+        since = self.since[i]
+        return self.total[i] + (time.monotonic() - since if since is not None else 0.0)
+
+
 class LentEngines:
     """See the module docstring. `per_engine`: groups a lent engine runs at once; `eta`: the staleness
     bound (versions) past which a lent group runs on through a step; `state`: the loop's `RunState`,
@@ -48,11 +74,9 @@ class LentEngines:
         self.lending = n if lending is None else lending
         self.groups: dict[Any, tuple[int, int]] = {}  # object ref -> (lent engine, version started on)
         self.paused: set[int] = set()
-        self._since: list[float | None] = [None] * n  # generating since (None: idle or paused)
-        self._busy = [0.0] * n  # generating seconds in this session, per engine
+        self._busy = _Clocks(n)  # generating seconds in this session (stopped: idle or paused)
         self._stored = [0.0] * n  # of those, the ones up to the engine's last group stored, beside no step
-        self._beside = [0.0] * n  # generating seconds while a train step ran (running on), per engine
-        self._beside_since: list[float | None] = [None] * n
+        self._beside = _Clocks(n)  # of those, the ones generated while a train step ran (running on)
         self._before = (state.lent_busy_s, state.lent_stored_s) if state is not None else (0.0, 0.0)
         self.pauses = state.lent_yields if state is not None else 0
         """Step starts at which at least one lent engine yielded (the run's, a resumed one's too)."""
@@ -79,15 +103,15 @@ class LentEngines:
     def started(self, ref: Any, engine: int, version: int) -> None:
         """A group started on lent engine `engine` with the weights `version` its engine confirmed."""
         self.groups[ref] = (engine, version)
-        if self._since[engine] is None and engine not in self.paused:
-            self._since[engine] = time.monotonic()
+        if engine not in self.paused:
+            self._busy.start(engine)
 
     def done(self, ref: Any) -> bool:
         """Whether `ref` was a lent group (it is forgotten; the loop takes its report)."""
         if ref not in self.groups:
             return False
         engine, _ = self.groups.pop(ref)
-        self._stored[engine] = self._engine_busy(engine) - self._engine_beside(engine)
+        self._stored[engine] = self._busy.read(engine) - self._beside.read(engine)
         if engine not in self._busy_engines():
             self._stop_clock(engine)
         return True
@@ -125,17 +149,16 @@ class LentEngines:
             self._stop_clock(engine)
             self.paused.add(engine)
         self._resume([e for e in running_on if e in self.paused])
-        now = time.monotonic()
         for engine in running_on:  # it generates beside the step from now on
-            if self._since[engine] is not None and self._beside_since[engine] is None:
-                self._beside_since[engine] = now
+            if self._busy.running(engine):
+                self._beside.start(engine)
         return events
 
     def step_done(self) -> None:
         """The train step is over: an engine running on generates beside no step from now on (its
         seconds count in `stored_s` again)."""
-        for engine in range(len(self._beside)):
-            self._end_beside(engine)
+        for engine in range(len(self._stored)):
+            self._beside.stop(engine)
 
     def resume(self) -> None:
         """The trainer waits: the paused engines' episodes resubmit, on the weights the engines have."""
@@ -150,11 +173,11 @@ class LentEngines:
         busy = self._busy_engines()
         for engine in engines:
             if engine in busy:
-                self._since[engine] = time.monotonic()
+                self._busy.start(engine)
 
     def busy_s(self) -> float:
         """Generating seconds so far in the run (a resumed one's too), summed over the lent engines."""
-        return self._before[0] + sum(self._engine_busy(e) for e in range(len(self._busy)))
+        return self._before[0] + sum(self._busy.read(e) for e in range(len(self._stored)))
 
     def stored_s(self) -> float:
         """Of `busy_s`, the seconds up to each engine's last group stored (a resumed run's too), less
@@ -164,26 +187,9 @@ class LentEngines:
         another is stored counts up to then."""
         return self._before[1] + sum(self._stored)
 
-    def _engine_busy(self, engine: int) -> float:
-        since = self._since[engine]
-        return self._busy[engine] + (time.monotonic() - since if since is not None else 0.0)
-
-    def _engine_beside(self, engine: int) -> float:
-        since = self._beside_since[engine]
-        return self._beside[engine] + (time.monotonic() - since if since is not None else 0.0)
-
-    def _end_beside(self, engine: int) -> None:
-        since = self._beside_since[engine]
-        if since is not None:
-            self._beside[engine] += time.monotonic() - since
-            self._beside_since[engine] = None
-
     def _stop_clock(self, engine: int) -> None:
-        self._end_beside(engine)
-        since = self._since[engine]
-        if since is not None:
-            self._busy[engine] += time.monotonic() - since
-            self._since[engine] = None
+        self._beside.stop(engine)
+        self._busy.stop(engine)
 
     def state_dict(self) -> dict[str, Any]:
         return {"lending": self.lending}
