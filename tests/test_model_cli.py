@@ -136,6 +136,28 @@ def test_eval_plays_the_configs_env_kwargs_on_the_held_out_tasks(checkpoint, tmp
     assert "rl_headroom" not in greedy_only and greedy_only["success_rate"] == summary["success_rate"]
 
 
+@pytest.mark.slow
+def test_eval_in_parts_plays_the_episodes_of_one_whole_evaluation(checkpoint, tmp_path):
+    """Tasks 1-2 on their own (`--first-task 1`) are tasks 1-2 of a 3-task evaluation: the same tasks
+    and the same tokens, the sampled episodes' included, so parts of a long pass@k add up exactly."""
+    config = _config(tmp_path, str(checkpoint), max_steps=1, min_steps=1)
+    whole, part = tmp_path / "whole.jsonl", tmp_path / "part.jsonl"
+    model = ["--config", str(config), "--model", str(checkpoint)]
+    _, summary = run("eval", *model, "--episodes", "3", "--out", str(whole))
+    _, part_summary = run("eval", *model, "--episodes", "2", "--first-task", "1", "--out", str(part))
+    assert summary["first_task"] == 0 and part_summary["first_task"] == 1
+    assert part_summary["episodes"] == 2 and part_summary["rl_headroom"]["tasks"] == 2
+
+    def played(path):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        return [(r["seed"], [t["completion_ids"] for t in r["turns"]]) for r in rows]
+
+    greedy, sampled = played(whole)[:3], played(whole)[3:]  # 3 greedy, then 2 samples of each task
+    assert played(part) == greedy[1:] + sampled[2:]
+    assert len({tuple(map(tuple, ids)) for _, ids in sampled}) > 1  # sampled, not greedy again
+    assert "--first-task" in fails("eval", *model, "--first-task", "-1")
+
+
 def test_eval_says_when_episodes_hit_their_deadline(checkpoint, tmp_path):
     """A wall-clock deadline makes the figure depend on the machine: the evaluation counts and says it."""
     config = str(_config(tmp_path, str(checkpoint), max_steps=1, min_steps=1, deadline_s=1e-6))

@@ -107,6 +107,9 @@ async def test_the_time_an_episode_waits_paused_does_not_count_against_its_envs_
     rec = await runner.run(reflow.make("test/Echo-v0", max_turns=3, deadline_s=0.8), seed=0)
     assert rec.status == "truncated" and rec.n_turns == 3  # the turn limit ended it, not the deadline
     assert rec.timings["total_s"] > 1.0
+    # the second left out of its decoding time too (the turn's and the episode's generation_s)
+    assert rec.timings["paused_s"] >= 0.95 and rec.timings["generation_s"] < 0.5
+    assert max(t.generation_s for t in rec.turns) < 0.5
 
 
 def test_sync_run_with_tail_handling_carries_groups_over_and_loses_none(tmp_path, monkeypatch):
@@ -157,6 +160,11 @@ def test_sync_run_with_tail_handling_carries_groups_over_and_loses_none(tmp_path
     # wait); the time is in their records, apart from their duration for the tail's quantiles
     assert any(r.timings.get("paused_s", 0.0) > 0.0 for r in carried)
     assert all(r.timings.get("paused_s", 0.0) < r.timings["total_s"] for r in records)
+    # ... and out of its generation time: decoding and env time fit in the time it was not paused
+    for r in records:
+        active = r.timings["total_s"] - r.timings.get("paused_s", 0.0)
+        assert r.timings["generation_s"] + r.timings["env_s"] <= active + 1e-3
+        assert sum(t.generation_s for t in r.turns) == pytest.approx(r.timings["generation_s"])
 
 
 @pytest.mark.slow

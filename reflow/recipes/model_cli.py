@@ -59,10 +59,10 @@ def eval_config(config_arg: str | None, model_arg: str, overrides: list[str]) ->
 
 
 async def play_held_out(
-    config: RunConfig, model_path: str, episodes: int, pass_at: int
+    config: RunConfig, model_path: str, episodes: int, pass_at: int, first_task: int = 0
 ) -> tuple[list[EpisodeRecord], list[EpisodeRecord], float]:
-    """Greedy episodes on `episodes` held-out tasks, then `pass_at` sampled ones on each (none when 0),
-    on one in-process rollout worker; and the greedy half's seconds."""
+    """Greedy episodes on `episodes` held-out tasks from the `first_task`-th on, then `pass_at` sampled
+    ones on each (none when 0), on one in-process rollout worker; and the greedy half's seconds."""
     from reflow.console import console
     from reflow.models.adapters import is_adapter_folder
     from reflow.rollout.collect import EVAL_SEED_BASE, ProgressLines, deadline_note, summarize, summary_line
@@ -81,7 +81,9 @@ async def play_held_out(
             folder = str(Path(model_path).resolve())
             await worker.engine.update_weights(path=folder, version=worker.engine.weight_version)
         start = time.monotonic()
-        greedy = await worker.held_out(episodes, EVAL_SEED_BASE, 0.0, 1, ProgressLines(say, "greedy"))
+        greedy = await worker.held_out(
+            episodes, EVAL_SEED_BASE, 0.0, 1, ProgressLines(say, "greedy"), first_task=first_task
+        )
         seconds = time.monotonic() - start
         sampled = []
         if pass_at:  # the greedy figure now: a sampled half cut short (hours on a real model) keeps it
@@ -90,7 +92,9 @@ async def play_held_out(
                 say(note)
             t = config.rollout.temperature
             lines = ProgressLines(say, f"{pass_at} samples per task at temperature {t:g}")
-            sampled = await worker.held_out(episodes, EVAL_SEED_BASE, t, pass_at, lines)
+            sampled = await worker.held_out(
+                episodes, EVAL_SEED_BASE, t, pass_at, lines, first_task=first_task
+            )
     finally:
         await worker.close()
     return greedy, sampled, seconds
@@ -105,20 +109,26 @@ def _deadline_keys(config: RunConfig) -> str:
 
 
 def evaluate_model(
-    config: RunConfig, model_arg: str, episodes: int, pass_at: int, out: str | None = None
+    config: RunConfig,
+    model_arg: str,
+    episodes: int,
+    pass_at: int,
+    out: str | None = None,
+    first_task: int = 0,
 ) -> dict[str, Any]:
     """Play, print a table and return the summary (`reflow eval`, and `reflow rollout --eval`)."""
     from reflow.console import console
     from reflow.rollout.collect import deadline_note, rl_headroom, summarize, summary_line
 
     path = model_folder(model_arg)
-    greedy, sampled, seconds = asyncio.run(play_held_out(config, path, episodes, pass_at))
+    greedy, sampled, seconds = asyncio.run(play_held_out(config, path, episodes, pass_at, first_task))
     if out:
         write_records(greedy + sampled, out)
     summary: dict[str, Any] = {
         "env_id": config.env.id,
         "env_kwargs": config.held_out_env_kwargs,
         "model": path,
+        "first_task": first_task,
         **summarize(greedy, seconds),
         "timeouts": {"greedy": sum(r.status == "timeout" for r in greedy),
                      "sampled": sum(r.status == "timeout" for r in sampled)},
@@ -166,9 +176,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     config = eval_config(args.config, args.model, args.overrides)
     episodes = config.eval.end_episodes if args.episodes is None else args.episodes
     pass_at = config.eval.pass_at if args.pass_at is None else args.pass_at
-    if episodes < 1 or pass_at < 0:
-        raise UsageError("--episodes must be >= 1 and --pass-at >= 0")
-    summary = evaluate_model(config, args.model, episodes, pass_at, args.out)
+    if episodes < 1 or pass_at < 0 or args.first_task < 0:
+        raise UsageError("--episodes must be >= 1, --pass-at and --first-task >= 0")
+    summary = evaluate_model(config, args.model, episodes, pass_at, args.out, args.first_task)
     console.print(_table(summary))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -237,6 +247,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         metavar="K",
         help="sampled episodes per task for mean@K, pass@K and the RL headroom (default: the config's "
         "eval.pass_at; 0: greedy only)",
+    )
+    p.add_argument(
+        "--first-task",
+        type=int,
+        default=0,
+        metavar="I",
+        help="start at the I-th held-out task (0: the first): a long evaluation in parts, e.g. tasks "
+        "0-99 then --first-task 100, plays the same episodes, sampled ones included, as in one go",
     )
     p.add_argument("--out", help="write the episodes here (.jsonl or .parquet)")
     p.add_argument("--json", metavar="PATH", help="write the summary here as JSON (it is also printed last)")

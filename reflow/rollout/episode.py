@@ -165,10 +165,12 @@ class EpisodeRunner:
                 out = await _generate(engine, segment.token_ids, params, deadline)
             else:
                 out = self._encode_demo(await _call(demo_policy, rec.messages, obs.tools), max_new)
-            gen_s = time.monotonic() - t0
+            paused_s = 0.0
+            if isinstance(engine, EpisodeRoute) and engine.paused_s:  # sync's partial rollouts, lending
+                paused_s = engine.take_paused_s()
+                extend_deadlines(env, paused_s)
+            gen_s = time.monotonic() - t0 - paused_s  # decoding, not the wait for a resume
             timings["generation_s"] += gen_s
-            if isinstance(engine, EpisodeRoute) and engine.paused_s:  # sync mode's partial rollouts
-                extend_deadlines(env, engine.take_paused_s())
             generated += len(out.output_ids)
             versions = out.meta.get("token_versions") or [out.weight_version] * len(out.output_ids)
             segment.extend_sampled(out.output_ids, out.logprobs, versions)

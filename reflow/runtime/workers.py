@@ -246,8 +246,10 @@ class RolloutWorker:
         temperature: float,
         samples: int,
         progress: Callable[[int, int], None] | None = None,
+        first_task: int = 0,
     ) -> list[EpisodeRecord]:
-        """`samples` episodes on each of `episodes` held-out tasks (task seeds from `seed`), at
+        """`samples` episodes on each of `episodes` held-out tasks (task seeds from `seed` +
+        `first_task`: a long measurement in parts plays the same episodes as in one go), at
         `temperature` (0: greedy), on `eval.env_kwargs` (None: the env's kwargs). Sampled episodes
         are seeded from `seed`, the task seed and the sample index (`SamplingParams.child`): the same
         weights measure the same figures in every run, and the start and end measurements of a run
@@ -263,7 +265,7 @@ class RolloutWorker:
                 self.config.env.id,
                 episodes * samples,
                 group_size=samples,
-                seed=seed,
+                seed=seed + first_task,
                 concurrency=self.config.rollout.max_batch_size,
                 env_kwargs=self.config.held_out_env_kwargs,
                 progress=progress,
