@@ -5,16 +5,20 @@ chunk of B groups is the plain sync mode, and the rollout-phase throughput the v
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import pytest
 
 from reflow.errors import ConfigError
-from reflow.sim.config import validate_scenario
+from reflow.sim.config import load_scenario, validate_scenario
 from reflow.sim.engines import GroupState
 from reflow.sim.oversample import OverProvision
 from reflow.sim.simulation import Simulation, simulate
 from reflow.sim.validate import rollout_tokens_per_s
 
 RATE = 5000.0  # tokens/s of the one constant-rate engine
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def scenario(
@@ -197,3 +201,21 @@ def test_the_rollout_throughput_is_a_sync_mode_figure():
     data.update(gpus=2, mode={"mode": "async", "rollout_gpus": 1, "eta": 1})
     with pytest.raises(ValueError, match="sync-mode"):
         rollout_tokens_per_s(simulate(validate_scenario(data)))
+
+
+def test_the_april_targets_take_their_lengths_from_aprils_published_figure():
+    """The three APRIL targets' response lengths follow the rule written down before any run with them
+    (docs/results.md): the figure in APRIL's README (each prompt's average response length) gives the
+    dashed-line median and the prompts' log spread; the spread within a prompt stays the assumed 1.0;
+    the sample median is the dashed line x exp(-sigma^2 / 2); the scripts' 16k cap; no filter."""
+    figure = {  # target: (dashed line, tokens; sd of the log of the prompts' averages)
+        "april-dapo-math-17k": (7905, 0.66),
+        "april-deepscaler": (6087, 0.84),
+        "april-deepmath-103k": (5598, 0.65),
+    }
+    for name, (line, spread) in figure.items():
+        w = load_scenario(ROOT / "configs" / "sim" / "validate" / f"{name}.yaml").workload
+        assert w.response_tokens.sigma == 1.0
+        assert w.group_sigma == spread
+        assert w.response_tokens.median == round(line * math.exp(-(w.response_tokens.sigma**2) / 2))
+        assert (w.max_response_tokens, w.zero_spread_prob) == (16384, 0.0)
