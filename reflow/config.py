@@ -244,6 +244,11 @@ class EvalSection(_Section):
         "headroom (what `reflow rollout --eval --pass-at` reports)",
     )
     end_episodes: int = Field(300, gt=0, description="held-out tasks of the `pass_at` measurement")
+    pass_at_start: bool = Field(
+        True,
+        description="take the `pass_at` measurement at the start too (False: at the end only; the mode "
+        "benchmark's runs all start from one cached warm start, whose start figure its pilot measures)",
+    )
     max_new_tokens: int = Field(128, gt=0)
     temperature: float = Field(
         0.0,

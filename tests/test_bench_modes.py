@@ -368,3 +368,25 @@ def test_report_only_rebuilds_the_table_from_the_runs_stored_so_far(tmp_path, mo
     assert list(rows) == ["sync", "async"]
     with pytest.raises(UsageError, match="no stored runs"):
         bench_modes.cmd_bench_modes(_args(tmp_path, report_only=True, out=str(tmp_path / "empty")))
+
+
+def test_only_the_pilot_measures_the_warm_starts_pass_at_k_at_the_start(tmp_path, monkeypatch):
+    """Every run starts from one cached warm start: the start measurement (minutes a run) is the pilot's,
+    each run keeps its own final one."""
+    import reflow.recipes.agent_train as agent_train
+    import reflow.recipes.run_log as run_log
+    from reflow.recipes import bench_modes
+
+    seen = {}
+    monkeypatch.setattr(agent_train, "train", lambda config: seen.update(config=config) or {})
+    monkeypatch.setattr(run_log, "read_metrics", lambda run_dir, kind: [])
+    for name, mode, expected in (
+        ("pilot", "sync", True),
+        ("sync", "sync", False),
+        ("reflow", "reflow", False),
+    ):
+        bench_modes.run_one(
+            "configs/calc-short.yaml", name, mode, 0, ["eval.pass_at=8"], 3.0, tmp_path, print
+        )
+        ev = seen["config"].eval
+        assert ev.pass_at == 8 and ev.pass_at_start is expected, name

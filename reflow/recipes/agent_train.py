@@ -88,7 +88,8 @@ def _train(config: RunConfig, log: RunLog, *, resume: bool, console: Console) ->
         sync_weights(cluster, state.version)
         if not resume:
             evaluate(cluster, config, log, state, clock)
-            measure_headroom(cluster, config, log, state, "start")
+            if config.eval.pass_at_start:
+                measure_headroom(cluster, config, log, state, "start")
         if config.mode == "sync":
             carried = config.tail.active("sync")
             pending = leftover_groups(cluster, state, carried) if resume else []
