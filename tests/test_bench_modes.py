@@ -366,6 +366,15 @@ def test_report_only_rebuilds_the_table_from_the_runs_stored_so_far(tmp_path, mo
     assert bench_modes.cmd_bench_modes(_args(tmp_path, report_only=True)) == 0
     _, rows = _rows((tmp_path / "out" / "bench_modes.md").read_text(), "| mode | seeds |")
     assert list(rows) == ["sync", "async"]
+    # the runs alone (copied from an archive, no targets.json): the stored pilot's targets again
+    for name in ("targets.json", "bench_modes.json"):
+        (tmp_path / "out" / name).unlink()
+    assert bench_modes.cmd_bench_modes(_args(tmp_path, report_only=True)) == 0
+    assert json.loads((tmp_path / "out" / "bench_modes.json").read_text())["targets"] == {
+        "50%": 0.4,
+        "75%": 0.5,
+        "90%": 0.56,
+    }
     with pytest.raises(UsageError, match="no stored runs"):
         bench_modes.cmd_bench_modes(_args(tmp_path, report_only=True, out=str(tmp_path / "empty")))
 

@@ -319,7 +319,11 @@ def _report_inputs(out: Path) -> tuple[list[dict[str, Any]], float | None, dict[
     if not results:
         raise UsageError(f"--report-only: no bench_modes.json and no stored runs in {out}")
     targets_file = out / "targets.json"
-    targets = json.loads(targets_file.read_text())["targets"] if targets_file.is_file() else None
+    pilots = [r for r in runs if r["mode"] == PILOT]
+    if targets_file.is_file():
+        targets = json.loads(targets_file.read_text())["targets"]
+    else:  # runs copied without it (e.g. from an archive): the stored pilot fixes the same targets
+        targets = pilot_targets(pilots[0]) if pilots else None
     rank = {name: i for i, name in enumerate(ROWS)}  # built-in rows in the table's order, then the others
     results.sort(key=lambda r: (r["seed"], rank.get(r["mode"], len(rank)), r["mode"]))
     return results, results[0]["spec"]["budget_minutes"], targets
