@@ -129,6 +129,10 @@ def test_sync_run_with_tail_handling_carries_groups_over_and_loses_none(tmp_path
             "tail.enabled=true",
             "tail.min_samples=2",  # over-provision from the third group on
             "tail.over_provision_max=1",
+            # env steps shorter than the pause (a train step and a weight sync, >= 20 ms): an episode
+            # carried over the step reaches the gate while it is closed, whatever it did at the pause
+            # (with 0.3-s steps one could sleep through the whole pause in its env and never wait)
+            "env.kwargs={step_s: 0.01}",
         ]
     )
     run_dir = tmp_path / "sync-tail"
@@ -156,9 +160,9 @@ def test_sync_run_with_tail_handling_carries_groups_over_and_loses_none(tmp_path
     assert all(r.status != "infra_error" for r in records)
     carried = [r for r in records if r.policy_version_start < r.policy_version_end]
     assert carried
-    # carried episodes waited paused through the step (one that was in its env step all along did not
-    # wait); the time is in their records, apart from their duration for the tail's quantiles
-    assert any(r.timings.get("paused_s", 0.0) > 0.0 for r in carried)
+    # carried episodes waited paused through the step; the time is in their records, apart from their
+    # duration for the tail's quantiles
+    assert all(r.timings.get("paused_s", 0.0) > 0.0 for r in carried)
     assert all(r.timings.get("paused_s", 0.0) < r.timings["total_s"] for r in records)
     # ... and out of its generation time: decoding and env time fit in the time it was not paused
     for r in records:
