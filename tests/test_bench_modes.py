@@ -1,6 +1,6 @@
 """The mode benchmark: its table (time to target, means with 95% intervals over seeds, new and
-trained tokens/s, the paired comparison with sync), the rows (built-in and `--rows`), and runs stored
-as they finish so that a re-run with the same --out skips them."""
+trained tokens/s, the paired comparisons with sync and async), the rows (built-in and `--rows`), and
+runs stored as they finish so that a re-run with the same --out skips them."""
 
 import argparse
 import json
@@ -11,7 +11,7 @@ from reflow.errors import UsageError
 from reflow.recipes.bench_modes import parse_rows, pilot_targets, plot, start_noise, table, variants
 
 
-def _run(mode, seed, successes, dt=10.0, reuse=None, new=None, final=None):
+def _run(mode, seed, successes, dt=10.0, reuse=None, new=None, final=None, mean8=None):
     evals = [{"wall_s": i * dt, "success_rate": s} for i, s in enumerate(successes)]
     steps = [
         {
@@ -35,6 +35,8 @@ def _run(mode, seed, successes, dt=10.0, reuse=None, new=None, final=None):
         "steps": 30,
     }
     headroom = [] if final is None else [{"when": "final", "greedy_success": final, "tasks": 300}]
+    if mean8 is not None:  # the end measurement's mean@8 beside its greedy success
+        headroom[0].update(samples_per_task=8, sampled_success=mean8)
     return {
         "mode": mode,
         "seed": seed,
@@ -71,34 +73,81 @@ def test_table_headlines_time_to_target_final_success_and_new_tokens_with_interv
     assert md.startswith("Targets held-out success, fixed before the runs: 50% 0.300, 90% 0.400")
     assert "Final held-out: greedy on 300 tasks." in md
     header, rows = _rows(md, "| mode | seeds |")
-    assert header[:11] == [
+    assert header[:12] == [
         "mode", "seeds", "time to 50% (s)", "reached 50%", "time to 90% (s)", "reached 90%", "final held-out",
-        "new tok/s", "trained tok/s (with replays)", "gen tok/s", "held-out at budget (curve)",
+        "final greedy", "new tok/s", "trained tok/s (with replays)", "gen tok/s", "held-out at budget (curve)",
     ]  # fmt: skip
     # sync reaches 0.3 at t = 20 and 10: mean 15, s = 7.07, half-width t(1) 12.706 x 7.07 / sqrt(2) = 63.5
     assert rows["sync"][:7] == ["sync", "2", "15 ± 63.5", "2/2", "30 ± 0", "2/2", "0.41 ± 0.127"]
     assert rows["async"][2:6] == ["10", "1/2", "20", "1/2"]  # one seed reached: a mean, no interval
-    assert rows["reflow"][2:9] == ["10 ± 0", "2/2", "10 ± 0", "2/2", "0.51 ± 0.127", "625 ± 4765", "500 ± 0"]
+    assert rows["reflow"][2:10] == [
+        "10 ± 0", "2/2", "10 ± 0", "2/2", "0.51 ± 0.127", "0.51 ± 0.127", "625 ± 4765", "500 ± 0"
+    ]  # fmt: skip
     assert rows["reflow"][header.index("reuse (mean uses/group)")] == "1.4 ± 0"  # (6*1 + 4*2) / 10
     # against sync, seed by seed
     header, paired = _rows(md, "| mode | seeds paired |")
     assert header == [
-        "mode", "seeds paired", "final held-out - sync", "time to 50%: sync / row", "time to 90%: sync / row",
-        "new tok/s: row / sync", "trained tok/s (with replays): row / sync",
+        "mode", "seeds paired", "final held-out - sync", "final greedy - sync", "time to 50%: sync / row",
+        "time to 90%: sync / row", "new tok/s: row / sync", "trained tok/s (with replays): row / sync",
     ]  # fmt: skip
     # reflow: +0.10 on both seeds; 50%: 20/10 and 10/10 -> geometric mean sqrt(2); 90%: 30/10 twice
-    assert paired["reflow"][1:5] == [
+    assert paired["reflow"][1:6] == [
         "2",
+        "+0.100 [+0.100, +0.100]",
         "+0.100 [+0.100, +0.100]",
         "1.41x [0.02, 115.61] (n=2)",
         "3.00x [3.00, 3.00] (n=2)",
     ]
     # new tok/s 250/500 and 1000/500: geometric mean 1, the interval symmetric on the log scale
-    assert paired["reflow"][5].startswith("1.00x [0.00, ")
-    assert paired["reflow"][6] == "1.00x [1.00, 1.00]"
-    # async seed 1 never reached a target: counted and named, not dropped
-    assert paired["async"][3] == "2.00x (n=1, row never reached 1)"
+    assert paired["reflow"][6].startswith("1.00x [0.00, ")
+    assert paired["reflow"][7] == "1.00x [1.00, 1.00]"
+    # async seed 1 never reached a target: counted as the 60-s budget and named, not dropped: 50% is
+    # sync's 20/10 and 10/60, geometric mean sqrt(2/6)
+    assert paired["async"][4].startswith("0.58x [0.00, ")
+    assert paired["async"][4].endswith("(n=2, row never reached 1, missed = 60 s)")
     assert plot(results, tmp_path, {"50%": 0.3, "90%": 0.4}).stat().st_size > 1000
+
+
+def _reaching(mode, seed, at, mean8, greedy):
+    """A 3-minute run whose curve (every 10 s) reaches 0.5 at `at` seconds (None: never)."""
+    curve = [0.5 if at is not None and t >= at else 0.1 for t in range(0, 190, 10)]
+    return _run(mode, seed, curve, final=greedy, mean8=mean8)
+
+
+def test_the_paired_tables_read_the_bar_mean8_at_the_end_missed_targets_at_the_budget_and_async_too():
+    """The replay bar: final difference on mean@8 (greedy beside), a run that never reaches T90 counted
+    as the 180-s budget and flagged, speed ratios against sync and against async."""
+    results = [
+        _reaching("sync", 0, 40, 0.40, 0.50),
+        _reaching("sync", 1, 60, 0.42, 0.50),
+        _reaching("sync", 2, None, 0.44, 0.50),
+        _reaching("async", 0, 20, 0.40, 0.50),
+        _reaching("async", 1, 30, 0.40, 0.50),
+        _reaching("async", 2, 60, 0.40, 0.50),
+        _reaching("reflow", 0, 10, 0.41, 0.52),
+        _reaching("reflow", 1, 20, 0.40, 0.48),
+        _reaching("reflow", 2, None, 0.46, 0.50),
+    ]
+    md = table(results, {"T90": 0.5}, budget_minutes=3)
+    assert "Final held-out: mean@8 on 300 tasks." in md
+    header, rows = _rows(md, "| mode | seeds |")
+    assert rows["reflow"][header.index("final held-out")] == "0.423 ± 0.0799"  # mean@8, not greedy
+    assert rows["reflow"][header.index("final greedy")] == "0.5 ± 0.0497"
+    header, vs_sync = _rows(md, "| mode | seeds paired | final held-out - sync")
+    # mean@8 differences +0.01, -0.02, +0.02: mean +0.0033, s = 0.0208, t(2) 4.3027 x s / sqrt(3) = 0.0517
+    assert vs_sync["reflow"][2] == "+0.003 [-0.048, +0.055]"
+    assert vs_sync["reflow"][3] == "+0.000 [-0.050, +0.050]"  # greedy: +0.02, -0.02, 0
+    # sync / reflow: 40/10, 60/20, and both missed on seed 2: 180/180 -> (4 x 3 x 1)^(1/3) = 2.29
+    assert vs_sync["reflow"][4].startswith("2.29x [")
+    assert vs_sync["reflow"][4].endswith("(n=3, neither reached 1, missed = 180 s)")
+    header, vs_async = _rows(md, "| mode | seeds paired | final held-out - async")
+    assert header[4] == "time to T90: async / row"
+    assert list(vs_async) == ["sync", "reflow"]
+    # async / reflow: 20/10, 30/20 and 60/180 (reflow missed): (2 x 1.5 / 3)^(1/3) = 1.00
+    assert vs_async["reflow"][4].startswith("1.00x [")
+    assert vs_async["reflow"][4].endswith("(n=3, row never reached 1, missed = 180 s)")
+    # without the budget rule the missed seed would be left out: 20/10 and 30/20, 1.73x on n=2
+    assert "1.73x" not in vs_async["reflow"][4]
 
 
 def test_pilot_targets_are_shares_of_the_pilots_gain_at_the_budget_or_none_within_noise(tmp_path):
@@ -111,7 +160,7 @@ def test_pilot_targets_are_shares_of_the_pilots_gain_at_the_budget_or_none_withi
     md = table(flat, None, budget_minutes=1)
     assert md.startswith("No target: the pilot did not improve")
     # no target columns: seeds, then the final held-out (the curve's last point without a final measurement)
-    assert "| async | 1 | 0.1 | 500 | 500 | 1000 |" in md
+    assert "| async | 1 | 0.1 | - | 500 | 500 | 1000 |" in md  # no final measurement: no greedy
     assert plot(flat, tmp_path, None).stat().st_size > 1000
     # gains of one or two problems in 100 are within the start's standard error (0.04 at 0.2): no target
     small = _run("pilot", 3, [0.2, 0.21, 0.24])
@@ -187,7 +236,7 @@ def test_ablation_rows_run_reflow_with_parts_off_and_show_role_changes_and_tail_
     slot_idle = header.index("train slot idle")
     assert header[slot_idle - 1] == "trainer idle"
     assert list(cells) == ["sync", "reflow", "reflow-static", "reflow-no-tail", "reflow-lend"]  # table order
-    assert all(len(c) == len(header) == 27 for c in cells.values())  # mode, seeds, time and reached, 23 more
+    assert all(len(c) == len(header) == 28 for c in cells.values())  # mode, seeds, time and reached, 24 more
     # two seeds: mean ± t(1) s / sqrt(2), with s = 1.41 for 2 and 4: 12.706
     assert cells["reflow"][-8:-3] == ["3 ± 12.7", "4 ± 12.7", "5 ± 12.7", "12 ± 25.4", "0 ± 0"]
     assert cells["reflow-no-tail"][-8:] == ["1", "2.5", "0", "0", "0", "0", "0", "0"]  # one seed: no interval

@@ -78,6 +78,15 @@ def test_time_ratio_counts_each_seed_without_a_ratio_by_why():
         "met at the start 1)"
     )
     assert time_ratio_cell(time_ratio({0: None}, {0: 10.0})) == "- (n=0, row never reached 1)"
+    # with a budget, a side that never reached the target counts as the budget (named): seed 1 30/60,
+    # seed 3 60/60, seed 5 60/15; the time-0 seed still has no ratio
+    b = time_ratio(row, base, budget=60.0)
+    assert b.ratio is not None and b.ratio.n == 5
+    assert b.ratio.mean == pytest.approx((2.0 * 0.5 * 2.0 * 1.0 * 4.0) ** (1 / 5))
+    assert (b.row_missed, b.base_missed, b.neither, b.at_start, b.budget) == (1, 1, 1, 1, 60.0)
+    assert time_ratio_cell(b, "async").endswith(
+        "(n=5, row never reached 1, async never reached 1, neither reached 1, met at the start 1, missed = 60 s)"
+    )
 
 
 def test_cells_show_the_mean_and_the_half_width():

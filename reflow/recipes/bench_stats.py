@@ -100,7 +100,8 @@ class TimeRatio:
     """How much sooner a row reached a target than the base row, seed by seed."""
 
     ratio: Interval | None
-    """base's time / the row's (> 1: the row was sooner), over the seeds where both reached it."""
+    """base's time / the row's (> 1: the row was sooner), over the seeds in the ratio: those where both
+    reached the target, and with a `budget` also those where one or neither never did."""
     row_missed: int
     """Seeds where the base reached the target and the row never did within the budget."""
     base_missed: int
@@ -109,22 +110,33 @@ class TimeRatio:
     """Seeds where neither did."""
     at_start: int
     """Seeds where one side met the target at its first evaluation (time 0): no ratio."""
+    budget: float | None = None
+    """Set: a run that never reached the target counts as this many seconds (and is flagged by the
+    counts above); None: such seeds are left out of the ratio."""
 
 
-def time_ratio(row: Mapping[int, float | None], base: Mapping[int, float | None]) -> TimeRatio:
-    """Per seed that both rows ran, base time / row time to a target (None: never reached); the seeds
-    without a ratio are counted by why, not dropped silently."""
+def time_ratio(
+    row: Mapping[int, float | None], base: Mapping[int, float | None], budget: float | None = None
+) -> TimeRatio:
+    """Per seed that both rows ran, base time / row time to a target (None: never reached). The seeds
+    where a side never reached it are counted by why, never dropped silently; with a `budget` they
+    also enter the ratio with that side's time taken as the budget. The budget is a lower bound of a
+    missing side's time: it flatters a row that missed (base / budget, the true ratio is lower) and
+    understates a row whose base missed; the counts say how many seeds each holds."""
     ratios, row_missed, base_missed, neither, at_start = [], 0, 0, 0, 0
     for seed in sorted(s for s in row if s in base):
         r, b = row[seed], base[seed]
+        if (r is not None and r <= 0) or (b is not None and b <= 0):
+            at_start += 1
+            continue
         if r is None and b is None:
             neither += 1
         elif r is None:
             row_missed += 1
         elif b is None:
             base_missed += 1
-        elif r <= 0 or b <= 0:
-            at_start += 1
-        else:
+        if budget is not None:
+            ratios.append((budget if b is None else b) / (budget if r is None else r))
+        elif r is not None and b is not None:
             ratios.append(b / r)
-    return TimeRatio(geometric_interval(ratios), row_missed, base_missed, neither, at_start)
+    return TimeRatio(geometric_interval(ratios), row_missed, base_missed, neither, at_start, budget)

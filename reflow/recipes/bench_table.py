@@ -1,11 +1,13 @@
-"""The mode benchmark's report (`reflow bench modes`): the per-row table, the paired comparison with
-sync, and the plot, from run results as `bench_modes.run_one` returns them ({"mode": the row's name,
-"seed", "summary", "steps", "evals", "headroom"}).
+"""The mode benchmark's report (`reflow bench modes`): the per-row table, the paired comparisons with
+sync and with async, and the plot, from run results as `bench_modes.run_one` returns them ({"mode":
+the row's name, "seed", "summary", "steps", "evals", "headroom"}).
 
 Headline first: time to each target and the final held-out success, then new tokens/s (tokens of
 groups trained for the first time) beside trained tokens/s with replays counted again. Per row every
-figure is a mean over seeds with its 95% interval (t-distribution, `bench_stats`); the paired table
-compares each row with sync seed by seed, and every ratio names the rate it divides.
+figure is a mean over seeds with its 95% interval (t-distribution, `bench_stats`); the paired tables
+compare each row with sync, then with async, seed by seed: the final held-out difference (mean@k,
+greedy beside it), time to each target as a ratio in which a run that never reached it counts as the
+budget (named), and every rate ratio names the rate it divides.
 """
 
 from __future__ import annotations
@@ -49,14 +51,27 @@ def row_names(results: list[dict[str, Any]]) -> list[str]:
 
 
 def final_heldout(run: dict[str, Any]) -> tuple[float, str]:
-    """Held-out success at the end of a run and what measured it: the end-of-run measurement's greedy
-    success (`eval.pass_at`, on `eval.end_episodes` tasks), else the curve's last point."""
-    final = next((h for h in run.get("headroom") or [] if h.get("when") == "final"), None)
+    """Held-out success at the end of a run and what measured it: the end-of-run measurement's mean@k
+    (`eval.pass_at` samples per task on `eval.end_episodes` tasks; its greedy success without samples),
+    else the curve's last point."""
+    final = _final_measurement(run)
+    if final is not None and final.get("samples_per_task"):
+        return final["sampled_success"], f"mean@{final['samples_per_task']} on {final['tasks']} tasks"
     if final is not None:
         return final["greedy_success"], f"greedy on {final['tasks']} tasks"
     last = run["evals"][-1]
     what = f"{eval_kind(last)} on {last.get('episodes', '?')} tasks (the curve's last point)"
     return last["success_rate"], what
+
+
+def final_greedy(run: dict[str, Any]) -> float | None:
+    """The end-of-run measurement's greedy success (None without one): reported beside mean@k."""
+    final = _final_measurement(run)
+    return None if final is None else final["greedy_success"]
+
+
+def _final_measurement(run: dict[str, Any]) -> dict[str, Any] | None:
+    return next((h for h in run.get("headroom") or [] if h.get("when") == "final"), None)
 
 
 def start_noise(results: list[dict[str, Any]]) -> float:
@@ -105,7 +120,7 @@ def table(results: list[dict[str, Any]], targets: dict[str, float] | None, budge
     targets = targets or {}
     head = [c for label in targets for c in (f"time to {label} (s)", f"reached {label}")]
     tail = [
-        "final held-out", *RATES, "gen tok/s", "held-out at budget (curve)", "start", "rollout idle",
+        "final held-out", "final greedy", *RATES, "gen tok/s", "held-out at budget (curve)", "start", "rollout idle",
         "trainer idle", "train slot idle", "staleness mean", "reuse (mean uses/group)", "IS w mean", "IS w max",
         "masked frac", "steps", "role changes", "role change s", "over-provisioned", "carried over",
         "migrations", "lent s", "lent stored s", "lent yields",
@@ -125,6 +140,7 @@ def table(results: list[dict[str, Any]], targets: dict[str, float] | None, budge
             reached += [pm(mean_interval(hit)), f"{len(hit)}/{len(runs)}"]
         column = [
             [_final(r) for r in runs],
+            [final_greedy(r) for r in runs],
             *([r["summary"].get(key) for r in runs] for key in RATES.values()),
             [r["summary"]["generated_tokens_per_s"] for r in runs],
             [r["evals"][-1]["success_rate"] for r in runs],
@@ -142,43 +158,51 @@ def table(results: list[dict[str, Any]], targets: dict[str, float] | None, budge
         ]
         cells = [name, str(len(runs)), *reached, *(pm(mean_interval(values)) for values in column)]
         rows.append("| " + " | ".join(cells) + " |")
-    return "\n".join(rows) + "\n" + paired_table(results, targets)
+    budget_s = budget_minutes * 60
+    paired = (paired_table(results, targets, budget_s, base) for base in ("sync", "async"))
+    return "\n".join(rows) + "\n" + "".join(paired)
 
 
-def paired_table(results: list[dict[str, Any]], targets: dict[str, float] | None) -> str:
-    """Each row against sync on the same seeds: the final held-out difference (mean of the per-seed
-    differences, 95% interval), time to each target as sync's time / the row's (geometric mean of
-    the per-seed ratios, interval on the log scale; seeds without a ratio counted by why) and the
-    token rates as row / sync per seed. Empty without sync runs."""
+def paired_table(
+    results: list[dict[str, Any]], targets: dict[str, float] | None, budget_s: float, base: str = "sync"
+) -> str:
+    """Each row against `base` on the same seeds: the final held-out difference (mean of the per-seed
+    differences, 95% interval) and the greedy one beside it, time to each target as base's time / the
+    row's (geometric mean of the per-seed ratios, interval on the log scale; a run that never reached
+    the target counts as the budget, `budget_s`, and is counted by side) and the token rates as
+    row / base per seed. Empty without runs of `base` or of another row."""
     targets = targets or {}
-    sync = [r for r in results if r["mode"] == "sync"]
-    others = [name for name in row_names(results) if name != "sync"]
-    if not sync or not others:
+    base_runs = [r for r in results if r["mode"] == base]
+    others = [name for name in row_names(results) if name != base]
+    if not base_runs or not others:
         return ""
     columns = [
-        "mode", "seeds paired", "final held-out - sync",
-        *(f"time to {label}: sync / row" for label in targets),
-        *(f"{label}: row / sync" for label in RATES),
+        "mode", "seeds paired", f"final held-out - {base}", f"final greedy - {base}",
+        *(f"time to {label}: {base} / row" for label in targets),
+        *(f"{label}: row / {base}" for label in RATES),
     ]  # fmt: skip
     lines = [
         "",
-        "Against sync, seed by seed (95% intervals over the paired seeds): held-out difference in "
-        "success rate; time ratios are sync's time / the row's (> 1: the row reached the target "
-        "sooner), geometric mean over the seeds where both reached it, a seed where one never did "
-        "counted and named; token rates as the row's / sync's, new tok/s counting a group's first "
-        "training only, trained tok/s every replay.",
+        f"Against {base}, seed by seed (95% intervals over the paired seeds): held-out differences in "
+        f"success rate; time ratios are {base}'s time / the row's (> 1: the row reached the target "
+        f"sooner), geometric mean over the paired seeds, a run that never reached the target counted as "
+        f"the {budget_s:g}-s budget and named (which flatters a row that missed); token rates as the "
+        f"row's / {base}'s, new tok/s counting a group's first training only, trained tok/s every replay.",
         "",
         "| " + " | ".join(columns) + " |",
         "| --- " * len(columns) + "|",
     ]
     for name in others:
         runs = [r for r in results if r["mode"] == name]
-        seeds = {r["seed"] for r in runs} & {r["seed"] for r in sync}
-        cells = [name, str(len(seeds)), signed(paired_difference(*_per_seed(runs, sync, _final)))]
+        seeds = {r["seed"] for r in runs} & {r["seed"] for r in base_runs}
+        cells = [name, str(len(seeds))]
+        cells += [signed(paired_difference(*_per_seed(runs, base_runs, f))) for f in (_final, final_greedy)]
         for target in targets.values():
-            cells.append(time_ratio_cell(time_ratio(*_per_seed(runs, sync, _time_to(target)))))
+            ratio = time_ratio(*_per_seed(runs, base_runs, _time_to(target)), budget=budget_s)
+            cells.append(time_ratio_cell(ratio, base))
         for key in RATES.values():
-            cells.append(times(paired_ratio(*_per_seed(runs, sync, lambda r, k=key: r["summary"].get(k)))))
+            rate = paired_ratio(*_per_seed(runs, base_runs, lambda r, k=key: r["summary"].get(k)))
+            cells.append(times(rate))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -285,15 +309,18 @@ def _bracketed(i: Interval | None, spec: str, suffix: str = "") -> str:
     return f"{text} [{format(i.low, spec)}, {format(i.high, spec)}]"
 
 
-def time_ratio_cell(t: TimeRatio) -> str:
-    """The ratio with its seed count and every seed left out, by why."""
+def time_ratio_cell(t: TimeRatio, base: str = "sync") -> str:
+    """The ratio with its seed count and every seed that missed or has no ratio, by why (those that
+    missed are in the ratio at the budget when it has one, else left out)."""
     parts = [f"n={t.ratio.n}" if t.ratio else "n=0"]
     for count, what in (
         (t.row_missed, "row never reached"),
-        (t.base_missed, "sync never reached"),
+        (t.base_missed, f"{base} never reached"),
         (t.neither, "neither reached"),
         (t.at_start, "met at the start"),
     ):
         if count:
             parts.append(f"{what} {count}")
+    if t.budget is not None and t.row_missed + t.base_missed + t.neither:
+        parts.append(f"missed = {t.budget:g} s")
     return f"{times(t.ratio)} ({', '.join(parts)})"
