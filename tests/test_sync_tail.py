@@ -112,6 +112,29 @@ async def test_the_time_an_episode_waits_paused_does_not_count_against_its_envs_
     assert max(t.generation_s for t in rec.turns) < 0.5
 
 
+async def test_a_turns_generation_time_is_never_negative_when_its_pause_fills_it(tmp_path, monkeypatch):
+    """The paused seconds come from the route's clock, the turn's from the runner's: a turn paused
+    almost throughout may read a hair more pause than elapsed time; its generation time floors at 0."""
+    from transformers import AutoTokenizer
+
+    import reflow
+    from reflow.models import build_tiny
+    from reflow.rollout.episode import EpisodeRunner, RolloutConfig
+    from reflow.rollout.routing import EpisodeRoute
+
+    tok = AutoTokenizer.from_pretrained(build_tiny(tmp_path))
+    routes = Routes(LimitedEngine(CountingEngine(stop_every=5), 8), "w0")
+    runner = EpisodeRunner(routes.home, tok, RolloutConfig(SamplingParams(max_new_tokens=6)), routes=routes)
+    # every call reads as paused, for a full second: more than the turn's elapsed time
+    monkeypatch.setattr(
+        EpisodeRoute, "paused_s", property(lambda self: 1.0, lambda self, v: None), raising=False
+    )
+    monkeypatch.setattr(EpisodeRoute, "take_paused_s", lambda self: 1.0)
+    rec = await runner.run(reflow.make("test/Echo-v0", max_turns=2, deadline_s=None), seed=0)
+    assert rec.n_turns == 2
+    assert all(t.generation_s == 0.0 for t in rec.turns) and rec.timings["generation_s"] == 0.0
+
+
 def test_sync_run_with_tail_handling_carries_groups_over_and_loses_none(tmp_path, monkeypatch):
     from reflow.replay import ReplayStore
 

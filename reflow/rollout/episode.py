@@ -169,7 +169,9 @@ class EpisodeRunner:
             if isinstance(engine, EpisodeRoute) and engine.paused_s:  # sync's partial rollouts, lending
                 paused_s = engine.take_paused_s()
                 extend_deadlines(env, paused_s)
-            gen_s = time.monotonic() - t0 - paused_s  # decoding, not the wait for a resume
+            # decoding, not the wait for a resume (floored: a turn paused almost throughout could
+            # round a hair below 0)
+            gen_s = max(0.0, time.monotonic() - t0 - paused_s)
             timings["generation_s"] += gen_s
             generated += len(out.output_ids)
             versions = out.meta.get("token_versions") or [out.weight_version] * len(out.output_ids)
