@@ -128,9 +128,14 @@ def test_the_paired_tables_read_the_bar_mean8_at_the_end_missed_targets_at_the_b
         _reaching("reflow", 1, 20, 0.40, 0.48),
         _reaching("reflow", 2, None, 0.46, 0.50),
     ]
+    for run in results[6:]:  # the trust region's dropped share, reported beside the row
+        for step in run["steps"]:
+            step["m2_masked_frac"] = 0.03
     md = table(results, {"T90": 0.5}, budget_minutes=3)
     assert "Final held-out: mean@8 on 300 tasks." in md
     header, rows = _rows(md, "| mode | seeds |")
+    assert rows["reflow"][header.index("m2 masked frac")] == "0.03 ± 0"
+    assert rows["sync"][header.index("m2 masked frac")] == "-"
     assert rows["reflow"][header.index("final held-out")] == "0.423 ± 0.0799"  # mean@8, not greedy
     assert rows["reflow"][header.index("final greedy")] == "0.5 ± 0.0497"
     header, vs_sync = _rows(md, "| mode | seeds paired | final held-out - sync")
@@ -236,7 +241,7 @@ def test_ablation_rows_run_reflow_with_parts_off_and_show_role_changes_and_tail_
     slot_idle = header.index("train slot idle")
     assert header[slot_idle - 1] == "trainer idle"
     assert list(cells) == ["sync", "reflow", "reflow-static", "reflow-no-tail", "reflow-lend"]  # table order
-    assert all(len(c) == len(header) == 28 for c in cells.values())  # mode, seeds, time and reached, 24 more
+    assert all(len(c) == len(header) == 29 for c in cells.values())  # mode, seeds, time and reached, 25 more
     # two seeds: mean ± t(1) s / sqrt(2), with s = 1.41 for 2 and 4: 12.706
     assert cells["reflow"][-8:-3] == ["3 ± 12.7", "4 ± 12.7", "5 ± 12.7", "12 ± 25.4", "0 ± 0"]
     assert cells["reflow-no-tail"][-8:] == ["1", "2.5", "0", "0", "0", "0", "0", "0"]  # one seed: no interval

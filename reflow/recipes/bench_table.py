@@ -116,13 +116,14 @@ def _caption(results: list[dict[str, Any]], targets: dict[str, float], budget_mi
 def table(results: list[dict[str, Any]], targets: dict[str, float] | None, budget_minutes: float) -> str:
     """The Markdown report: per row, the seeds, time to each target (and how many seeds reached it),
     the final held-out success, new and trained tokens/s, then throughput, idle ratios,
-    staleness/reuse/IS columns and the elastic/tail counters; then `paired_table`."""
+    staleness/reuse/IS columns (the M2PO trust region's dropped share of tokens among them) and the
+    elastic/tail counters; then `paired_table` against sync and against async."""
     targets = targets or {}
     head = [c for label in targets for c in (f"time to {label} (s)", f"reached {label}")]
     tail = [
         "final held-out", "final greedy", *RATES, "gen tok/s", "held-out at budget (curve)", "start", "rollout idle",
         "trainer idle", "train slot idle", "staleness mean", "reuse (mean uses/group)", "IS w mean", "IS w max",
-        "masked frac", "steps", "role changes", "role change s", "over-provisioned", "carried over",
+        "masked frac", "m2 masked frac", "steps", "role changes", "role change s", "over-provisioned", "carried over",
         "migrations", "lent s", "lent stored s", "lent yields",
     ]  # fmt: skip
     columns = ["mode", "seeds", *head, *tail]
@@ -153,6 +154,7 @@ def table(results: list[dict[str, Any]], targets: dict[str, float] | None, budge
             [_step_mean(r["steps"], "w_mean") for r in runs],
             [max((s.get("w_max", 0.0) for s in r["steps"]), default=None) for r in runs],
             [_step_mean(r["steps"], "masked_frac") for r in runs],
+            [_step_mean(r["steps"], "m2_masked_frac") for r in runs],  # the M2PO trust region's drop
             [r["summary"]["steps"] for r in runs],
             *([r["summary"].get(key, 0) for r in runs] for key in COUNTS),
         ]
