@@ -64,7 +64,7 @@ def final_heldout(run: dict[str, Any]) -> tuple[float, str]:
     return last["success_rate"], what
 
 
-def final_greedy(run: dict[str, Any]) -> float | None:
+def _final_greedy(run: dict[str, Any]) -> float | None:
     """The end-of-run measurement's greedy success (None without one): reported beside mean@k."""
     final = _final_measurement(run)
     return None if final is None else final["greedy_success"]
@@ -141,7 +141,7 @@ def table(results: list[dict[str, Any]], targets: dict[str, float] | None, budge
             reached += [pm(mean_interval(hit)), f"{len(hit)}/{len(runs)}"]
         column = [
             [_final(r) for r in runs],
-            [final_greedy(r) for r in runs],
+            [_final_greedy(r) for r in runs],
             *([r["summary"].get(key) for r in runs] for key in RATES.values()),
             [r["summary"]["generated_tokens_per_s"] for r in runs],
             [r["evals"][-1]["success_rate"] for r in runs],
@@ -198,7 +198,7 @@ def paired_table(
         runs = [r for r in results if r["mode"] == name]
         seeds = {r["seed"] for r in runs} & {r["seed"] for r in base_runs}
         cells = [name, str(len(seeds))]
-        cells += [signed(paired_difference(*_per_seed(runs, base_runs, f))) for f in (_final, final_greedy)]
+        cells += [signed(paired_difference(*_per_seed(runs, base_runs, f))) for f in (_final, _final_greedy)]
         for target in targets.values():
             ratio = time_ratio(*_per_seed(runs, base_runs, _time_to(target)), budget=budget_s)
             cells.append(time_ratio_cell(ratio, base))
