@@ -185,7 +185,9 @@ class RolloutSection(_Section):
     max_context_tokens: int = Field(4096, gt=0)
     max_generated_tokens: int = Field(2048, gt=0, description="per episode")
     max_turns: int = Field(16, gt=0)
-    episode_deadline_s: float | None = Field(None, gt=0)
+    episode_deadline_s: float | None = Field(
+        None, gt=0, description="wall-clock budget of an episode, generation included, time paused not"
+    )
     max_batch_size: int = Field(64, gt=0, description="concurrent sequences per engine")
 
 
@@ -513,16 +515,9 @@ class RunConfig(_Section):
         if self.tasks.learnability and self.mode != "sync":
             # the decoupled loops draw one task seed per group: a share of one seed is no revisit
             raise ValueError("tasks.learnability applies to mode sync only (rounds of several task seeds)")
-        if self.mode == "sync" and self.tail.enabled:
-            # its rounds draw one task seed per group; and a runner deadline would run on through the
-            # train step a carried episode waits out (the env's own deadline is moved by the pause)
-            if self.tasks.learnability:
-                raise ValueError("tasks.learnability does not combine with tail.enabled in sync mode")
-            if self.rollout.episode_deadline_s is not None:
-                raise ValueError(
-                    "rollout.episode_deadline_s does not combine with tail.enabled in sync mode (a "
-                    "carried episode waits out the train step); the env's deadline_s does"
-                )
+        if self.mode == "sync" and self.tail.enabled and self.tasks.learnability:
+            # its rounds draw one task seed per group
+            raise ValueError("tasks.learnability does not combine with tail.enabled in sync mode")
         if self.mode == "sync" and self.elastic.enabled:
             # sync generates and trains in turn on every slot: no role to move (its tail handling,
             # `tail.enabled`, is `reflow.recipes.sync_tail`)
@@ -543,13 +538,6 @@ class RunConfig(_Section):
             raise ValueError(
                 "elastic.lend needs engine.kind torch on resources.device cpu (the lent engine shares "
                 "its slot; lending a GPU is not supported yet)"
-            )
-        if self.rollout.episode_deadline_s is not None:
-            # a lent engine's episodes pause through train steps: a runner deadline would run on
-            # through them (the env's own deadline is moved by the pause)
-            raise ValueError(
-                "rollout.episode_deadline_s does not combine with elastic.lend (a lent engine's "
-                "episodes wait out train steps paused); the env's deadline_s does"
             )
         if len(self.resources.slots) > 2:
             # moving a slot whose engine is lent (its paused groups) is not built yet: on two slots no

@@ -111,15 +111,7 @@ def test_an_env_id_of_a_namespace_is_accepted():
             ["env.id=reflow/Calc-v0", "mode=sync", "tail.enabled=true", "tasks.learnability=true"],
             "tasks.learnability does not combine with tail.enabled",
         ),
-        (
-            ["env.id=reflow/Calc-v0", "mode=sync", "tail.enabled=true", "rollout.episode_deadline_s=60"],
-            "rollout.episode_deadline_s does not combine with tail.enabled",
-        ),
         (["env.id=reflow/Calc-v0", "mode=async", "elastic.lend=true"], "elastic.lend needs the elastic pool"),
-        (
-            ["env.id=reflow/Calc-v0", "mode=reflow", "elastic.lend=true", "rollout.episode_deadline_s=60"],
-            "rollout.episode_deadline_s does not combine with elastic.lend",
-        ),
         (
             [
                 "env.id=reflow/Calc-v0",
@@ -155,6 +147,16 @@ def test_bad_configs_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["mode=sync", "tail.enabled=true"], ["mode=reflow", "elastic.lend=true"]],
+)
+def test_a_runner_deadline_combines_with_paused_episodes(overrides):
+    """Sync's partial rollouts and lending pause episodes; the runner's deadline moves with the pause."""
+    config = load_config(None, ["env.id=reflow/Calc-v0", "rollout.episode_deadline_s=60", *overrides])
+    assert config.rollout.episode_deadline_s == 60
 
 
 def test_bad_override_syntax_and_files(tmp_path):

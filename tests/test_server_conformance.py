@@ -133,7 +133,7 @@ def test_every_error_response_names_the_error_model_and_its_headers(doc):
                     assert response["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
     create = doc["paths"]["/v1/sessions"]["post"]["responses"]
     assert create["429"]["headers"]["Retry-After"]["required"] is True
-    assert set(create["201"]["links"]) == {"step_session", "get_session", "delete_session"}
+    assert set(create["201"]["links"]) == {"step_session", "extend_session", "get_session", "delete_session"}
 
 
 # ---- Allow ------------------------------------------------------------------------------------------
@@ -146,6 +146,7 @@ def test_options_and_405_name_every_method_of_the_path(http):
     for path, methods in [
         (f"/v1/sessions/{sid}", {"GET", "DELETE", "OPTIONS"}),
         (f"/v1/sessions/{sid}/step", {"POST", "OPTIONS"}),
+        (f"/v1/sessions/{sid}/extend", {"POST", "OPTIONS"}),
         ("/v1/sessions", {"POST", "OPTIONS"}),
         ("/healthz", {"GET", "OPTIONS"}),
     ]:

@@ -99,7 +99,7 @@ async def test_bad_frames_get_error_answers_and_the_socket_stays_open(server):
         await ws.send("[1, 2]")
         assert (await sock.raw_answer())["status"] == 422
         unknown = await sock.ask("launch")
-        assert unknown["status"] == 422 and "create, step, get, delete" in unknown["body"]["message"]
+        assert unknown["status"] == 422 and "create, step, extend, get, delete" in unknown["body"]["message"]
         no_id = await sock.ask("step", body={"turn_index": 0, "turn": TURN})
         assert no_id["status"] == 422 and "session_id" in no_id["body"]["message"]
         missing = await sock.ask("step", "no-such-session", {"turn_index": 0, "turn": TURN})

@@ -79,6 +79,7 @@ our_frames = st.fixed_dictionaries(
             st.fixed_dictionaries(
                 {"turn_index": st.integers(-1, 2) | json_values, "turn": turns | json_values}
             ),
+            st.fixed_dictionaries({"seconds": st.floats(allow_nan=True) | json_values}),
         ),
     },
 ).map(json.dumps)

@@ -10,8 +10,8 @@ trainer takes the engine's log-probs as the behaviour policy's for tokens older 
 `carry_over: false` they are cancelled and their tasks start over in the next round. Groups with
 reward spread done beyond B train in the next round first (the oldest groups train first). A round waits
 for the groups it carried in, so no token is more than one version stale: the price is that a carried
-straggler holds its second round open. The env's deadline moves by the seconds an episode waited
-paused (`rollout.episode_deadline_s` is refused with this mode). Nothing is lost between rounds; a
+straggler holds its second round open. An episode's deadlines (the runner's, the env's, an env
+server's session) move by the seconds it waited paused (`reflow.rollout.pauses`). Nothing is lost between rounds; a
 resume takes up the groups one version old; at the end of the run the unfinished groups are cancelled
 (one that finished first is stored, and the `run_end` event says so).
 

@@ -26,10 +26,10 @@ from typing import Any
 from reflow.engine import Engine, GenerateResult, SamplingParams
 from reflow.env import Env, EnvError, InfraError, Message, Task, parse_assistant
 from reflow.env.play import Policy
-from reflow.env.wrappers.episode_deadline import extend_deadlines
 from reflow.records import EpisodeRecord, Segment, TurnRecord
 from reflow.rollout.chat import ChatRenderer
-from reflow.rollout.routing import EpisodeRoute, Routes
+from reflow.rollout.pauses import EpisodePauses
+from reflow.rollout.routing import Routes
 
 
 @dataclass
@@ -41,9 +41,14 @@ class RolloutConfig:
     max_generated_tokens: int = 8192
     """Total sampled tokens over the episode."""
     deadline_s: float | None = None
-    """Wall-clock budget of the whole episode, generation included (the env's own deadline also holds)."""
+    """Wall-clock budget of the whole episode, generation included, time waited paused not (the env's
+    own deadline also holds)."""
     max_turns: int = 64
     """A guard on top of the env's own turn limit."""
+
+
+WAITING_CHECK_S = 0.1
+"""While a generation waits paused past the runner's deadline, how often the runner moves it on."""
 
 
 class _Stop(Exception):
@@ -150,6 +155,7 @@ class EpisodeRunner:
         rec.segments.append(segment)
         new_obs, delta = list(obs.messages), list(segment.token_ids)
         generated = 0
+        pauses = EpisodePauses(env, engine, deadline)
 
         for turn_index in range(cfg.max_turns):
             max_new = min(
@@ -161,14 +167,12 @@ class EpisodeRunner:
                 raise _Stop("truncated", "token_budget")
             params = replace(sampling.child(turn_index), max_new_tokens=max_new)
             t0 = time.monotonic()
+            paused_s = 0.0  # waited paused (sync's partial rollouts, lending): the env's deadlines move
             if demo_policy is None:
-                out = await _generate(engine, segment.token_ids, params, deadline)
+                out, paused_s = await _generate(engine, segment.token_ids, params, pauses)
             else:
                 out = self._encode_demo(await _call(demo_policy, rec.messages, obs.tools), max_new)
-            paused_s = 0.0
-            if isinstance(engine, EpisodeRoute) and engine.paused_s:  # sync's partial rollouts, lending
-                paused_s = engine.take_paused_s()
-                extend_deadlines(env, paused_s)
+            paused_s += await pauses.take()
             # decoding, not the wait for a resume (floored: a turn paused almost throughout could
             # round a hair below 0)
             gen_s = max(0.0, time.monotonic() - t0 - paused_s)
@@ -243,19 +247,38 @@ class EpisodeRunner:
 
 
 async def _generate(
-    engine: Engine | None, ids: list[int], params: SamplingParams, deadline: float | None
-) -> GenerateResult:
+    engine: Engine | None, ids: list[int], params: SamplingParams, pauses: EpisodePauses
+) -> tuple[GenerateResult, float]:
+    """One turn's output, and the seconds it waited paused that `pauses` took while it ran: the
+    runner's deadline moves by them, and a remote env's session hears every `keepalive_s`."""
     if engine is None:
         raise _Stop("infra_error", "no_engine", "this runner has no engine; pass a demo_policy")
     request_id = uuid.uuid4().hex
-    timeout = None if deadline is None else deadline - time.monotonic()
-    if timeout is not None and timeout <= 0:
+    if pauses.deadline is not None and pauses.deadline <= time.monotonic():
         raise _Stop("timeout", "deadline")
+    call = asyncio.ensure_future(engine.generate(list(ids), params, request_id))
+    paused = 0.0
     try:
-        return await asyncio.wait_for(engine.generate(list(ids), params, request_id), timeout)
-    except asyncio.TimeoutError:
-        await engine.abort(request_id)
-        raise _Stop("timeout", "deadline", "the episode deadline passed during generation") from None
+        while True:
+            keepalive, deadline = pauses.keepalive_s, pauses.deadline
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and pauses.waiting:  # the deadline moves with the wait: look now and then
+                left = max(left, WAITING_CHECK_S)
+            wait = left if keepalive is None else keepalive if left is None else min(left, keepalive)
+            done, _ = await asyncio.wait({call}, timeout=wait)
+            if done:
+                break
+            paused += await pauses.take(keepalive=keepalive is not None)
+            if pauses.deadline is not None and time.monotonic() >= pauses.deadline:
+                call.cancel()
+                await asyncio.wait({call})
+                await engine.abort(request_id)
+                raise _Stop("timeout", "deadline", "the episode deadline passed during generation")
+    finally:
+        if not call.done():  # the runner was cancelled: so is the request
+            call.cancel()
+    try:
+        return call.result(), paused
     except Exception as e:
         raise _Stop("infra_error", "engine_failed", f"{type(e).__name__}: {e}") from None
 

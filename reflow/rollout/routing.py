@@ -185,8 +185,18 @@ class EpisodeRoute:
                 await part[0].abort(part[1])
         return mig
 
+    @property
+    def waiting(self) -> bool:
+        """Whether a generate call waits at the gate now (paused)."""
+        return self._waiting_since is not None
+
     def take_paused_s(self) -> float:
-        """The seconds paused since the last call: the episode runner moves the env's deadline by them."""
+        """The seconds paused since the last call, a wait at the gate in progress included up to now:
+        the episode runner moves the env's deadlines by them (a remote session's while it waits)."""
+        if self._waiting_since is not None:
+            now = self.clock()
+            self._add_paused(now - self._waiting_since)
+            self._waiting_since = now
         paused, self.paused_s = self.paused_s, 0.0
         return paused
 
@@ -216,13 +226,13 @@ class EpisodeRoute:
         try:
             while True:
                 if self.gate is not None and not self.gate.is_set():
-                    waited = self._waiting_since = self.clock()
+                    self._waiting_since = self.clock()
                     try:
                         while not self.gate.is_set():  # paused: a resume may be undone before this runs
                             await self.gate.wait()
-                    finally:
+                    finally:  # (`take_paused_s` may have taken the wait's start already)
+                        self._add_paused(self.clock() - self._waiting_since)
                         self._waiting_since = None
-                        self._add_paused(self.clock() - waited)
                 engine, mig = self.engine, self.pending
                 probe = mig is not None and params.max_new_tokens - len(out) > 1
                 part_rid = rid if parts == 0 else f"{rid}.{parts}"

@@ -77,6 +77,7 @@ def _settings(args: argparse.Namespace, token: str | None) -> ServerSettings:
         step_timeout_s=args.step_timeout,
         default_deadline_s=min(args.deadline, args.max_deadline),
         max_deadline_s=args.max_deadline,
+        max_extend_s=args.max_extend,
         idle_timeout_s=args.idle_timeout,
         reaper_interval_s=min(5.0, args.idle_timeout / 4),
         shutdown_grace_s=args.shutdown_grace,
@@ -166,6 +167,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--step-timeout", type=float, default=60.0, help="seconds one step may take")
     p.add_argument("--deadline", type=float, default=600.0, help="default session deadline, reset included")
     p.add_argument("--max-deadline", type=float, default=3600.0, help="longest deadline a client may ask")
+    p.add_argument(
+        "--max-extend",
+        type=float,
+        default=ServerSettings.max_extend_s,
+        help="seconds a session's deadline may move in all for its client's pauses (0: never)",
+    )
     p.add_argument("--idle-timeout", type=float, default=300.0, help="close sessions idle this long")
     p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight steps get on stop")
     p.add_argument(

@@ -13,6 +13,10 @@ it plays in `play_episode` and the episode runner unchanged. Each `reset` is a n
   503, with the same turn index, which the server answers from its store if the step already ran, so
   nothing runs twice. A session create is retried only when the request surely did not arrive
   (connect errors) or was refused (429, 503).
+- Pauses: an episode whose generation waits out a train step (sync mode's partial rollouts, a lent
+  engine) does not use its env meanwhile. The episode runner reports those seconds (`extend_session`:
+  the server moves the session's deadline, as `EpisodeDeadline` moves the local one) and, while a
+  generation runs, keeps the session from the idle reaper every `keepalive_s`.
 - When the server stays unreachable, `InfraError` (ContainErrors and the episode runner mark the
   episode infra_error); a session closed for its deadline ends the episode as "timeout".
 - A token that would travel over plain `http://` to a host off loopback gets a warning, once per host.
@@ -65,6 +69,9 @@ log = logging.getLogger(__name__)
 URL_ENV_VAR = "REFLOW_ENV_SERVER_URL"
 TOKEN_ENV_VAR = "REFLOW_SERVER_TOKEN"
 TRANSPORTS = ("auto", "ws", "http")
+KEEPALIVE_S = 30.0
+"""How often a running generation reports to the server by default (well inside its deadline grace,
+`reflow.server.sessions.DEADLINE_GRACE_S`, and its idle timeouts)."""
 _warned_hosts: set[str] = set()
 
 
@@ -95,6 +102,7 @@ class RemoteEnv(Env):
         env_kwargs: dict[str, Any] | None = None,
         session_deadline_s: float | None = None,
         request_timeout_s: float = 120.0,
+        keepalive_s: float | None = KEEPALIVE_S,
         retries: int = 5,
         backoff_s: float = 0.1,
         transport: str = "auto",
@@ -102,7 +110,9 @@ class RemoteEnv(Env):
     ) -> None:
         """`url` (else $REFLOW_ENV_SERVER_URL) and `env_id` say what to play; the token comes from
         `token`, `token_file` or $REFLOW_SERVER_TOKEN. `session_deadline_s` asks the server for a
-        session deadline (sandbox start included); `retries` bounds the retries of one request;
+        session deadline (sandbox start included); `keepalive_s`: while one generation runs, tell the
+        server this often that the session is in use and how long it was paused (None: never; keep it
+        well under the server's idle timeouts); `retries` bounds the retries of one request;
         `transport` is "auto" (the WebSocket where the server has it, else HTTP), "ws" or "http"."""
         super().__init__(None)
         if tasks is not None:
@@ -122,6 +132,9 @@ class RemoteEnv(Env):
         self.env_kwargs = dict(env_kwargs or {})
         self.session_deadline_s = session_deadline_s
         self.request_timeout_s, self.retries, self.backoff_s = request_timeout_s, retries, backoff_s
+        if keepalive_s is not None and keepalive_s <= 0:
+            raise ValueError(f"keepalive_s must be > 0 or None, got {keepalive_s}")
+        self.keepalive_s = keepalive_s
         self.transport_kind = transport
         self.transport: HttpTransport | WsTransport | None = None
         self.session_id: str | None = None
@@ -168,6 +181,28 @@ class RemoteEnv(Env):
         result = StepResult(**data["result"])
         self.done = result.done
         return result
+
+    async def extend_session(self, seconds: float) -> None:
+        """Tell the server the episode waited `seconds` without using the env (its generation paused):
+        the session's deadline moves that much later; 0 only marks it in use. Never raises: a session
+        the server lost shows at the next step."""
+        if self.session_id is None or self.done or self.keepalive_s is None:
+            return
+        try:  # once, briefly: the runner waits for it while a generation may have finished
+            answer = await self._send("extend", self.session_id, {"seconds": seconds}, timeout_s=5.0)
+        except (Unsent, Lost, InfraError) as e:
+            log.info("%r: extend failed: %s", self, e)
+            return
+        code = answer.body.get("code") if isinstance(answer.body, dict) else None
+        if answer.status in (404, 405, 422) and code in (
+            "not_found",
+            "method_not_allowed",
+            "invalid_request",
+        ):
+            log.warning("%r: the server cannot extend sessions; its deadlines count the pauses", self)
+            self.keepalive_s = None  # an older server: no route, or no such WebSocket op
+        elif answer.status >= 400:
+            log.info("%r: extend answered %s %s", self, answer.status, code)
 
     async def close(self) -> None:
         try:

@@ -154,6 +154,7 @@ class SessionBody(_Model):
     deadline_left_s: float
     idle_s: float
     status: str | None = Field(None, description="the episode status once the episode has ended")
+    extended_s: float = Field(0.0, description="seconds the deadline moved for the client's pauses (extend)")
 
 
 class SessionCreated(SessionBody):
@@ -165,6 +166,15 @@ class StepRequest(_Request):
     turn: WireTurn
 
     _turn_index = field_validator("turn_index", mode="before")(_json_integer)
+
+
+class ExtendRequest(_Request):
+    seconds: float = Field(
+        ge=0,
+        le=86400,
+        description="seconds the client's episode waited without using the env (its generation paused "
+        "while the trainer ran): the deadline moves this much later; 0 only marks the session active",
+    )
 
 
 class StepResponse(_Model):

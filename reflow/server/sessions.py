@@ -9,7 +9,12 @@
   `envpool`), else closed (its sandbox goes back to the sandbox pool). The session record stays with
   its final result, for a retry of the last step, until it is deleted, expires (`ended_ttl_s`), or is
   pushed out by newer ones (`ended_kept`); a client need not delete a finished session.
-- The reaper closes sessions idle longer than `idle_timeout_s` or past their deadline.
+- The reaper closes sessions idle longer than `idle_timeout_s` or past their deadline. A client whose
+  episode waits without using its env (its generation paused while the trainer runs a step) says so
+  with `extend`: the deadline moves that much later (`max_extend_s` in all) and the session counts as
+  active; `extend` with 0 seconds only keeps it from the idle reaper. A client reports a pause as it
+  goes (`RemoteEnv.keepalive_s`), so the reaper gives a session past its deadline `DEADLINE_GRACE_S`
+  to hear of one; a step past the deadline is a timeout at once.
 - Results are kept as JSON text, so a replayed answer costs no encoding.
 - A reset that fails, or a step that ends in an env or infrastructure error, answers a generic message
   and an error id; the cause (which may name host paths) goes to the server's log (`failures`).
@@ -39,6 +44,10 @@ log = logging.getLogger(__name__)
 
 RESULTS_KEPT = 4
 """Per session, the last results kept for retries (a client retries only its latest step)."""
+DEADLINE_GRACE_S = 60.0
+"""How long past its deadline a ready session is kept for its client's report of a pause (`extend`),
+which comes every `RemoteEnv.keepalive_s` (30 s by default) while the pause lasts; capped by the idle
+timeout."""
 TOMBSTONES_KEPT = 16384
 """Ids of closed sessions remembered, so a late request gets 410 and a reason instead of 404."""
 
@@ -68,6 +77,7 @@ class Session:
     state: str = "creating"
     env: Env | None = None
     turns: int = 0
+    extended_s: float = 0.0
     status: str | None = None
     ended_at: float = 0.0
     results: OrderedDict[int, tuple[str, str]] = field(
@@ -123,6 +133,7 @@ class SessionManager:
             "deadline_left_s": round(max(0.0, s.deadline - now), 3),
             "idle_s": round(now - s.last_active, 3),
             "status": s.status,
+            "extended_s": round(s.extended_s, 3),
         }
 
     def lookup(self, session_id: str) -> Session:
@@ -265,6 +276,19 @@ class SessionManager:
             log.exception("step of session %s failed", s.id)
             return crashed_step(e)
 
+    # ---- extend ---------------------------------------------------------------------------------------
+    def extend(self, session_id: str, seconds: float) -> Session:
+        """Move a live session's deadline `seconds` later (up to `max_extend_s` in all) and mark it
+        active. The client's pause counts from when it began, so a session whose deadline passed during
+        it, not yet reaped, gets the time back; a finished one has no deadline left to move."""
+        s = self.lookup(session_id)
+        s.last_active = time.monotonic()
+        if s.state in LIVE_STATES:
+            granted = max(0.0, min(seconds, self.settings.max_extend_s - s.extended_s))
+            s.deadline += granted
+            s.extended_s += granted
+        return s
+
     # ---- ending --------------------------------------------------------------------------------------
     def _remember_ended(self, s: Session) -> None:
         self.ended[s.id] = None
@@ -323,7 +347,7 @@ class SessionManager:
                 continue
             if now - s.last_active > idle:
                 doomed.append((s, "idle"))
-            elif s.state == "ready" and now > s.deadline:
+            elif s.state == "ready" and now > s.deadline + min(DEADLINE_GRACE_S, idle):
                 doomed.append((s, "deadline"))
             elif s.state == "done" and now - s.ended_at > ttl:
                 doomed.append((s, "ended"))

@@ -55,6 +55,9 @@ class ServerSettings:
     default_deadline_s: float = 600.0
     """Wall-clock budget of a session from its creation (sandbox start included) when it asks for none."""
     max_deadline_s: float = 3600.0
+    max_extend_s: float = 3600.0
+    """How far a session's deadline may move in all for the pauses its client reports (`extend`: an
+    episode carried over a train step waits without using its env); 0 refuses every extension."""
     idle_timeout_s: float = 300.0
     """A session nobody touched for this long is closed and its env (and sandbox) released."""
     reaper_interval_s: float = 5.0
@@ -112,8 +115,8 @@ class ServerSettings:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
-        if self.max_idle_envs < 0:
-            raise ValueError("max_idle_envs must be >= 0")
+        if not (self.max_idle_envs >= 0 and self.max_extend_s >= 0):  # (NaN too)
+            raise ValueError("max_idle_envs and max_extend_s must be >= 0")
         if self.client_env_kwargs:
             from reflow.server.client_kwargs import OPERATOR_ONLY
 

@@ -1,6 +1,6 @@
 """How `RemoteEnv` reaches the env server: one request of the session protocol, one `Answer`.
 
-A transport sends `create`, `step`, `get` or `delete` and returns the server's answer (HTTP status and
+A transport sends `create`, `step`, `extend`, `get` or `delete` and returns the server's answer (HTTP status and
 JSON body, errors included), or raises why there is none, in the two kinds the retry policy needs:
 `Unsent` (the request surely did not reach the server: a refused connect, a socket found closed before
 the send; sending it again is safe) and `Lost` (it may have arrived and its answer was lost: only an
@@ -42,6 +42,7 @@ MAX_FRAME_BYTES = 64 * 2**20
 ROUTES = {
     "create": ("POST", "/v1/sessions"),
     "step": ("POST", "/v1/sessions/{}/step"),
+    "extend": ("POST", "/v1/sessions/{}/extend"),
     "get": ("GET", "/v1/sessions/{}"),
     "delete": ("DELETE", "/v1/sessions/{}"),
 }

@@ -1,4 +1,5 @@
-"""`/v1/sessions`: create (reset), step (idempotent by turn index), get, delete (idempotent)."""
+"""`/v1/sessions`: create (reset), step (idempotent by turn index), extend (a client's pause), get,
+delete (idempotent)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from reflow.server.routes import errors, json_response, raw_json
 from reflow.server.schemas import (
     CreateSession,
     Deleted,
+    ExtendRequest,
     SessionBody,
     SessionCreated,
     StepRequest,
@@ -25,7 +27,7 @@ router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 SessionId = Path(min_length=1, max_length=64, description="the id POST /v1/sessions returned")
 SESSION_LINKS = {
     name: {"operationId": name, "parameters": {"session_id": "$response.body#/session_id"}}
-    for name in ("step_session", "get_session", "delete_session")
+    for name in ("step_session", "extend_session", "get_session", "delete_session")
 }
 """OpenAPI links: the session a create returns is what step, get and delete take."""
 
@@ -96,6 +98,18 @@ async def create_session(body: CreateSession, request: Request) -> Response:
 )
 async def step_session(request: Request, session_id: str = SessionId) -> Response:
     return raw_json(await step_text(_manager(request), session_id, await read_body(request, StepRequest)))
+
+
+@router.post(
+    "/{session_id}/extend",
+    response_model=SessionBody,
+    responses=errors(404, 410, 422),
+    summary="Say the client's episode waited this long without using the env: the deadline moves later",
+    operation_id="extend_session",
+)
+async def extend_session(body: ExtendRequest, request: Request, session_id: str = SessionId) -> Response:
+    manager = _manager(request)
+    return json_response(manager.describe(manager.extend(session_id, body.seconds)))
 
 
 @router.get(

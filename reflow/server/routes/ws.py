@@ -11,6 +11,7 @@ a step's CPU on both ends. `RemoteEnv` uses it by default and keeps one socket f
   answer echoes. `OP` is one of
   `create` (B: `CreateSession`; answers 201 and `SessionCreated`, as `POST /v1/sessions`),
   `step` (S and B: `StepRequest`; answers `StepResponse`, as `POST /v1/sessions/S/step`),
+  `extend` (S and B: `ExtendRequest`; as `POST /v1/sessions/S/extend`),
   `get` (S; as `GET /v1/sessions/S`) and `delete` (S; as `DELETE /v1/sessions/S`).
 - Answer frame: `{"id": ID, "status": HTTP_STATUS, "body": BODY}` and, where HTTP sends one, `"headers":
   {"Retry-After": "1"}`. `BODY` is what the HTTP route answers, errors included (`{error_kind, code,
@@ -38,14 +39,14 @@ from pydantic import ValidationError
 from reflow.server.auth import check_token
 from reflow.server.routes import validation_message
 from reflow.server.routes.sessions import create_text, deleted, step_text
-from reflow.server.schemas import ApiError, CreateSession, StepRequest
+from reflow.server.schemas import ApiError, CreateSession, ExtendRequest, StepRequest
 from reflow.server.sessions import SessionManager
 from reflow.server.sockets import WsGate, deny, frame_data, read_frame
 
 log = logging.getLogger(__name__)
 router = APIRouter()
 PATH = "/v1/ws"
-OPS = ("create", "step", "get", "delete")
+OPS = ("create", "step", "extend", "get", "delete")
 
 
 @router.websocket(PATH)
@@ -117,6 +118,9 @@ async def _run(manager: SessionManager, request: Any) -> tuple[int, str]:
         raise _invalid(f"{op} needs session_id: the id create returned")
     if op == "step":
         return 200, await step_text(manager, session_id, StepRequest.model_validate(_body(request)))
+    if op == "extend":
+        seconds = ExtendRequest.model_validate(_body(request)).seconds
+        return 200, json.dumps(manager.describe(manager.extend(session_id, seconds)))
     if op == "get":
         return 200, json.dumps(manager.describe(manager.lookup(session_id)))
     return 200, json.dumps(deleted(session_id, await manager.delete(session_id)))
