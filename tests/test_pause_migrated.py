@@ -75,6 +75,7 @@ async def test_a_target_that_pauses_aborts_the_request_it_serves_and_the_episode
     await _ticks(60)
     # the served request was aborted; its route resubmitted it, and the resubmission waits on the target
     assert paused == [0, 1] and not call.done() and target_engine.in_flight == 0
+    assert route.waiting  # there, where the route cannot time it: the runner's deadline holds off
     prompts_while_paused = len(target_engine.prompts)
     await asyncio.sleep(0.05)
     assert len(target_engine.prompts) == prompts_while_paused  # nothing decodes through the pause
@@ -86,7 +87,36 @@ async def test_a_target_that_pauses_aborts_the_request_it_serves_and_the_episode
     assert versions[:2] == [3, 3] and versions[-1] == 4 and sorted(versions) == versions
     assert "paused" not in out.meta and "paused_s" not in out.meta  # the route's own meta only
     # the wait at the target's gate is the episode's paused time
-    assert route.paused_total_s >= 0.04 and route.take_paused_s() >= 0.04
+    assert route.paused_total_s >= 0.04 and route.take_paused_s() >= 0.04 and not route.waiting
+
+
+async def test_an_episode_paused_here_while_it_generates_on_another_worker_counts_as_waiting():
+    """Sync mode pauses every worker: the part on the target may wait at its gate, unseen from here
+    until it returns; the route says it may be waiting, so the runner's deadline holds off."""
+    home, target_engine = CountingEngine(), CountingEngine()
+    routes = Routes(LimitedEngine(home, 8), "w0")
+    target = WorkerTail(target_engine, "w1", limit=8)
+    route = routes.open("ep", "g")
+    waiting: list[bool] = []
+
+    async def migrate_at_2(n: int, rid: str) -> None:
+        if n == 2 and not home.aborted:
+            await routes.migrate("ep", TailHandle(target), "w1")
+
+    async def pause_here_at_3(n: int, rid: str) -> None:
+        if n == 3 and not waiting:
+            waiting.append(route.waiting)  # generating there, no pause yet
+            await routes.pause()
+            waiting.append(route.waiting)
+
+    home.on_token = migrate_at_2
+    target_engine.on_token = pause_here_at_3
+    call = asyncio.ensure_future(route.generate(PROMPT, SamplingParams(max_new_tokens=12), "req"))
+    await _ticks(60)
+    assert waiting == [False, True] and route.waiting and not call.done()  # back here, at the gate
+    routes.resume()
+    out = await asyncio.wait_for(call, 5)
+    assert out.output_ids == expected_ids(12, PROMPT) and not route.waiting
 
 
 async def test_an_episodes_age_leaves_out_the_time_it_waited_paused():

@@ -62,7 +62,7 @@ def test_a_pause_reported_after_the_deadline_passed_gives_the_time_back(tmp_path
         sid = http.post("/v1/sessions", json=body).json()["session_id"]
         time.sleep(1.8)  # past the deadline; the reaper (every 0.75 s) has looked at it twice
         assert http.get(f"/v1/sessions/{sid}").json()["deadline_left_s"] == 0.0
-        assert http.post(f"/v1/sessions/{sid}/extend", json={"seconds": 1.5}).json()["deadline_left_s"] > 0.5
+        assert http.post(f"/v1/sessions/{sid}/extend", json={"seconds": 5}).json()["deadline_left_s"] > 3
         turn = {"content": "hi", "tool_calls": [], "finish_reason": "stop"}
         step = http.post(f"/v1/sessions/{sid}/step", json={"turn_index": 0, "turn": turn}).json()
         assert step["state"] == "ready" and step["result"]["info"].get("status") != "timeout", step
@@ -162,3 +162,36 @@ async def test_the_runners_deadline_moves_by_the_time_waited_paused(tiny_tokeniz
     slow.on_token = slow_at_2
     rec = await runner.run(reflow.make("test/Echo-v0", max_turns=3, deadline_s=None), seed=0)
     assert (rec.status, rec.termination) == ("timeout", "deadline")
+
+
+async def test_a_remote_session_hears_of_a_pause_once_a_keepalive_and_of_all_of_it_before_the_step():
+    """The runner polls a paused generation often (its deadline moves with the wait); the server hears
+    once per `keepalive_s`, and of the rest before the env's next step."""
+    from reflow.rollout.pauses import EpisodePauses
+
+    class Remote:  # what EpisodePauses reads of a RemoteEnv
+        keepalive_s = 0.2
+
+        def __init__(self) -> None:
+            self.unwrapped, self.reports = self, []
+
+        async def extend_session(self, seconds: float) -> None:
+            self.reports.append(seconds)
+
+    env = Remote()
+    routes = Routes(LimitedEngine(CountingEngine(), 8), "w0")
+    route = routes.open("ep", "g")
+    start = time.monotonic()
+    pauses = EpisodePauses(env, route, deadline=start + 1.0)
+    await routes.pause()
+    call = asyncio.ensure_future(route.generate([5, 6, 7], SamplingParams(max_new_tokens=2), "t"))
+    for _ in range(6):  # 0.3 s of polling at 0.05 s
+        await asyncio.sleep(0.05)
+        await pauses.take()
+    assert pauses.waiting and len(env.reports) == 1 and 0.15 < env.reports[0] < 0.3
+    routes.resume()
+    await asyncio.wait_for(call, 5)
+    await pauses.take(flush=True)
+    assert not pauses.waiting and len(env.reports) == 2
+    assert sum(env.reports) == pytest.approx(route.paused_total_s)
+    assert pauses.deadline == pytest.approx(start + 1.0 + route.paused_total_s)

@@ -48,7 +48,7 @@ class RolloutConfig:
 
 
 WAITING_CHECK_S = 0.1
-"""While a generation waits paused past the runner's deadline, how often the runner moves it on."""
+"""While a generation waits paused, how often at most the runner moves its deadline on."""
 
 
 class _Stop(Exception):
@@ -172,7 +172,7 @@ class EpisodeRunner:
                 out, paused_s = await _generate(engine, segment.token_ids, params, pauses)
             else:
                 out = self._encode_demo(await _call(demo_policy, rec.messages, obs.tools), max_new)
-            paused_s += await pauses.take()
+            paused_s += await pauses.take(flush=True)
             # decoding, not the wait for a resume (floored: a turn paused almost throughout could
             # round a hair below 0)
             gen_s = max(0.0, time.monotonic() - t0 - paused_s)
@@ -268,8 +268,9 @@ async def _generate(
             done, _ = await asyncio.wait({call}, timeout=wait)
             if done:
                 break
-            paused += await pauses.take(keepalive=keepalive is not None)
-            if pauses.deadline is not None and time.monotonic() >= pauses.deadline:
+            paused += await pauses.take()
+            # (never while it may wait paused: the wait's seconds move the deadline when known)
+            if pauses.deadline is not None and time.monotonic() >= pauses.deadline and not pauses.waiting:
                 call.cancel()
                 await asyncio.wait({call})
                 await engine.abort(request_id)

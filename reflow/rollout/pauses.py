@@ -12,6 +12,7 @@ the server's idle reaper does not close it under a long wait.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from reflow.engine import Engine
@@ -32,6 +33,8 @@ class EpisodePauses:
         self._extend: Callable[[float], Awaitable[None]] | None = getattr(
             env.unwrapped, "extend_session", None
         )
+        self._unreported = 0.0  # paused seconds the remote session has not heard of yet
+        self._reported_at = time.monotonic()
 
     @property
     def waiting(self) -> bool:
@@ -43,17 +46,25 @@ class EpisodePauses:
         """How often a running generation reports to the env's server (None: no server to tell)."""
         return getattr(self.env.unwrapped, "keepalive_s", None) if self._extend is not None else None
 
-    async def take(self, *, keepalive: bool = False) -> float:
-        """The seconds paused since the last call (a wait in progress included); every deadline of the
-        episode moves by them. With `keepalive` a remote session hears even when nothing paused."""
+    async def take(self, *, flush: bool = False) -> float:
+        """The seconds paused since the last call (a wait in progress included); the runner's deadline
+        and the env's wrappers move by them at once. A remote session hears every `keepalive_s` (of
+        the pause so far, or only that it is in use) and, with `flush` (before the env's next step),
+        of any pause it has not heard of."""
         paused = self.route.take_paused_s() if self.route is not None else 0.0
         if paused:
             if self.deadline is not None:
                 self.deadline += paused
             extend_deadlines(self.env, paused)
-        if self._extend is not None and (paused or keepalive):
+        keepalive = self.keepalive_s
+        if keepalive is None:
+            return paused
+        self._unreported += paused
+        now = time.monotonic()
+        if (flush and self._unreported) or (not flush and now - self._reported_at >= keepalive):
+            seconds, self._unreported, self._reported_at = self._unreported, 0.0, now
             try:
-                await self._extend(paused)
+                await self._extend(seconds)  # type: ignore[misc]  (keepalive_s is None without it)
             except Exception:  # a report that failed must not end the episode: its next step tells
                 log.warning("reporting a pause to %r failed", self.env.unwrapped, exc_info=True)
         return paused

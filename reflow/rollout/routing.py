@@ -123,6 +123,9 @@ class EpisodeRoute:
         """Seconds its generate calls waited for a resume in all, its own engine's or a target's: left
         out of the episode's age (the tail's quantiles and remaining-time estimates)."""
         self._waiting_since: float | None = None  # waiting at the gate now, since then
+        # a part on another worker's engine that may wait at that engine's gate: a pause there (or here,
+        # which in sync mode is everywhere) while it ran; its wait is known only when it returns
+        self._remote_paused = False
         self.engine: Engine = home
         self.engine_name = home_name
         self.decode, self.clock, self._done = decode, clock, done
@@ -187,8 +190,9 @@ class EpisodeRoute:
 
     @property
     def waiting(self) -> bool:
-        """Whether a generate call waits at the gate now (paused)."""
-        return self._waiting_since is not None
+        """Whether a generate call waits paused now, or may: at this gate, or at another worker's with
+        a part there since a pause (whose seconds come back with it, `meta["paused_s"]`)."""
+        return self._waiting_since is not None or self._remote_paused
 
     def take_paused_s(self) -> float:
         """The seconds paused since the last call, a wait at the gate in progress included up to now:
@@ -202,6 +206,8 @@ class EpisodeRoute:
 
     async def pause(self) -> None:
         """Abort the request in flight, if any (its tokens come back and wait for the gate)."""
+        if self._part is not None and self._part[0] is not self.home:
+            self._remote_paused = True
         if self._part is not None:
             self._paused.add(self._part[1])
             with contextlib.suppress(Exception):  # an engine that cannot abort fails its call: handled there
@@ -274,6 +280,8 @@ class EpisodeRoute:
                 paused = (part_rid in self._paused or bool(last.meta.get("paused"))) and (
                     rid not in self._user_aborted
                 )
+                # a target that paused may hold the resubmission at its gate too
+                self._remote_paused = engine is not self.home and bool(last.meta.get("paused"))
                 self._paused.discard(part_rid)
                 probing = mig is not None and self.pending is mig
                 if probing and not paused and (last.output_ids or last.finish_reason != "abort"):

@@ -111,8 +111,8 @@ class RemoteEnv(Env):
         """`url` (else $REFLOW_ENV_SERVER_URL) and `env_id` say what to play; the token comes from
         `token`, `token_file` or $REFLOW_SERVER_TOKEN. `session_deadline_s` asks the server for a
         session deadline (sandbox start included); `keepalive_s`: while one generation runs, tell the
-        server this often that the session is in use and how long it was paused (None: never; keep it
-        well under the server's idle timeouts); `retries` bounds the retries of one request;
+        server this often (at most; a third of its idle timeout when that is less) that the session is
+        in use and how long it was paused (None: never); `retries` bounds the retries of one request;
         `transport` is "auto" (the WebSocket where the server has it, else HTTP), "ws" or "http"."""
         super().__init__(None)
         if tasks is not None:
@@ -134,7 +134,9 @@ class RemoteEnv(Env):
         self.request_timeout_s, self.retries, self.backoff_s = request_timeout_s, retries, backoff_s
         if keepalive_s is not None and keepalive_s <= 0:
             raise ValueError(f"keepalive_s must be > 0 or None, got {keepalive_s}")
+        self.keepalive_limit_s = keepalive_s
         self.keepalive_s = keepalive_s
+        """This session's: `keepalive_s`, or a third of the server's idle timeout when that is less."""
         self.transport_kind = transport
         self.transport: HttpTransport | WsTransport | None = None
         self.session_id: str | None = None
@@ -157,6 +159,9 @@ class RemoteEnv(Env):
             body["env_kwargs"] = self.env_kwargs
         data = await self._request("create", None, body, idempotent=False)
         self.session_id, self.turn_index, self.done = data["session_id"], 0, False
+        idle = data.get("idle_timeout_s")
+        if self.keepalive_limit_s is not None and isinstance(idle, int | float) and idle > 0:
+            self.keepalive_s = min(self.keepalive_limit_s, idle / 3)
         obs = data["observation"]
         self.tools = [SchemaTool.from_openai(s, forbid_extra=True) for s in obs["tools"]]
         self.task = task if task is not None else self._local_task(seed, obs["info"].get("task_hash"))
@@ -200,7 +205,7 @@ class RemoteEnv(Env):
             "invalid_request",
         ):
             log.warning("%r: the server cannot extend sessions; its deadlines count the pauses", self)
-            self.keepalive_s = None  # an older server: no route, or no such WebSocket op
+            self.keepalive_s = self.keepalive_limit_s = None  # an older server: no route, or no such op
         elif answer.status >= 400:
             log.info("%r: extend answered %s %s", self, answer.status, code)
 

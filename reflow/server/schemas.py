@@ -155,6 +155,7 @@ class SessionBody(_Model):
     idle_s: float
     status: str | None = Field(None, description="the episode status once the episode has ended")
     extended_s: float = Field(0.0, description="seconds the deadline moved for the client's pauses (extend)")
+    idle_timeout_s: float = Field(description="a session with no request for this long is closed")
 
 
 class SessionCreated(SessionBody):

@@ -134,6 +134,7 @@ class SessionManager:
             "idle_s": round(now - s.last_active, 3),
             "status": s.status,
             "extended_s": round(s.extended_s, 3),
+            "idle_timeout_s": self.settings.idle_timeout_s,
         }
 
     def lookup(self, session_id: str) -> Session:
