@@ -86,10 +86,11 @@ def test_runtime_observes_episodes_and_loads_in_sequences_with_migrations_counte
         ("g3#1", "w2", 4096),
     ]
     assert episodes[0].seconds == 7.0 and episodes[3].seconds == 3.0  # aged by the snapshot's age
-    # w0 launched g1 (2 sequences) but b generates on w2: 1; w2 launched g2 and g3 (4) and holds b: 5
-    assert loads == [1, 5] and limits == [8, 6]
+    # the sequences running on each engine: w0 runs a (b of its g1 generates on w2); w2 runs b, c
+    # (g2's other episode closed: it holds no place) and g3's two placeholders
+    assert loads == [1, 4] and limits == [8, 6]
     rt.moved["a"] = "w2"  # a migration applied since the snapshot
-    assert rt.observe(in_flight, now=12.0)[1] == [0, 6]
+    assert rt.observe(in_flight, now=12.0)[1] == [0, 5]
 
 
 def test_a_group_whose_episodes_all_closed_before_its_report_came_still_counts_as_started():
@@ -144,6 +145,36 @@ def test_gate_worker_picks_the_least_loaded_engine_with_room_under_its_limit():
     assert look.worker() is None
     # an idle engine always takes a group, even under a limit smaller than one group
     assert TailLook(None, loads=[0], limits=[1], group_size=4).worker() == 0
+
+
+def test_the_gate_starts_a_group_beside_the_stragglers_of_another_on_an_engine_below_its_limit():
+    # groups of 2; the engines' measured knee: 2 sequences. g1 has one episode left on w0 (the other
+    # closed), g2 runs both of its on w2: w0 is below its limit and takes the next group (counting
+    # whole groups, w0 looked full and stood at half its knee until g1's straggler ended)
+    rt = RecordedRuntime(
+        Snapshot(
+            at=10.0,
+            episodes=[_ep("a", "g1", "w0"), _ep("c", "g2", "w2"), _ep("d", "g2", "w2")],
+            limits={"w0": 2, "w2": 2},
+        )
+    )
+    gate = TailGate(TailPolicy(), batch=8, per_worker=4, group_size=2, runtime=rt)
+    in_flight = [GroupInFlight(0, "g1", 0.0), GroupInFlight(1, "g2", 0.0)]
+    look = gate.look(0, in_flight, [1, 1], 12.0)
+    assert look.loads == [1, 2] and look.limits == [2, 2] and look.allows()
+    assert look.worker() == 0 and look.take(0) is False and look.worker() is None
+
+
+def test_a_group_starts_beside_the_stragglers_of_another_under_a_limit_of_less_than_two_groups():
+    # groups of 8 on an engine whose measured knee is 5 (or 15): 3 stragglers of the last group run.
+    # The engine queues what is over its limit, so the next group starts now; waiting for room for a
+    # whole group ran one group at a time, its tail alone on the engine (rollout idled a quarter of a
+    # run, the trainer half, in reflow runs without replay on calc-short)
+    for limit in (5, 15):
+        look = TailLook(None, loads=[3], limits=[limit], group_size=8)
+        assert look.worker() == 0 and look.take(0) is False and look.loads == [11]
+    assert TailLook(None, loads=[11], limits=[5], group_size=8).worker() is None  # at its limit: no more
+    assert TailLook(None, loads=[15, 14], limits=[15, 15], group_size=8).worker() == 1
 
 
 @pytest.mark.slow

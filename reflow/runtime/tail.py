@@ -4,7 +4,7 @@
 `TailGate`: before the loop starts groups it asks `TailPolicy` about the batch being collected (the
 groups with reward spread waiting count as done) and turns its actions into how many groups may start
 (`OverProvision`: up to B + delta; `CarryOver`, B done: none) and where (`TailLook.worker`: the least
-loaded engine with room under its limit, in sequences); admission control bounds staleness on top.
+loaded engine below its limit, in sequences); admission control bounds staleness on top.
 With a `TailRuntime` the policy sees every episode in flight and each engine's limit, curve and
 prefill rate, and the gate's `RayActuator` applies `Migrate` (its event comes once measured),
 `FreeSlot` for the next batch (its groups may start on the freed engine) and `SetConcurrency`;
@@ -19,8 +19,9 @@ without one they are logged as not applied. Every decision that changes is a met
   context budget: a prefix not known yet is not worth moving); groups seen before and no longer listed
   are finishing (every episode closed, the report on its way): counted as started, running nowhere.
 - `observe`: the policy's episodes and engines from the snapshot, with the migrations applied since,
-  and each engine's load in sequences (its groups' episodes, minus those migrated away, plus those
-  migrated to it): the loop starts groups where the load leaves room under the engine's limit.
+  and each engine's load in sequences: the episodes running on it (its own not yet closed, those
+  migrated to it, placeholders for groups started since the snapshot; a group's closed episodes hold
+  no place): the loop starts a group on an engine below its limit (`TailLook.worker`).
 - `migrate`: asks the episode's worker to move its generation (`RolloutWorker.migrate`: abort on the
   source, resubmit the exact token prefix on the target); the event comes when the worker has
   measured it (re-prefilled tokens, handoff and first-token seconds, outcome), with the policy's
@@ -141,13 +142,12 @@ class TailRuntime:
     def observe(
         self, in_flight: Sequence[GroupInFlight], now: float
     ) -> tuple[tuple[InFlightEpisode, ...], list[int], list[int]]:
-        """(the episodes in flight, each rollout position's load in sequences, its limit) from the
-        snapshot; `in_flight`: the loop's `GroupInFlight`s."""
+        """(the episodes in flight, each rollout position's load: the sequences running on its
+        engine, its limit) from the snapshot; `in_flight`: the loop's `GroupInFlight`s."""
         ids = self.engine_ids()
         snap = self.snapshot or Snapshot(now)
         live = {g.group_id for g in in_flight}
         episodes: list[InFlightEpisode] = []
-        shift: Counter[str] = Counter()  # sequences moved onto (+) or away from (-) each engine
         for ep in snap.episodes:
             if ep["group"] not in live:
                 continue
@@ -156,9 +156,6 @@ class TailRuntime:
                 engine = ep["owner"]
             if engine not in ids:
                 continue
-            if engine != ep["owner"]:
-                shift[engine] += 1
-                shift[ep["owner"]] -= 1
             age = ep["seconds"] + max(0.0, now - snap.at)
             episodes.append(
                 InFlightEpisode(
@@ -175,9 +172,8 @@ class TailRuntime:
                     for i in range(self.group_size)
                 ]
         self.seen &= live  # only groups still in flight need remembering
-        groups = Counter(g.worker for g in in_flight)
-        loads = [self.group_size * groups[p] + shift[e] for p, e in enumerate(ids)]
-        return tuple(episodes), loads, [self.engine_limit(e) for e in ids]
+        running = Counter(ep.engine for ep in episodes)  # a group's closed episodes hold no place
+        return tuple(episodes), [running[e] for e in ids], [self.engine_limit(e) for e in ids]
 
     def engine_limit(self, engine: str) -> int:
         snap = self.snapshot
@@ -305,11 +301,15 @@ class TailLook:
         return self.room is None or self.room > 0
 
     def worker(self) -> int | None:
-        """The least loaded rollout worker with room for a group (an idle one always has), or None."""
+        """The least loaded rollout worker below its limit, or None. A group may take an engine past
+        its limit (the engine queues the sequences over it, in order: `LimitedEngine`), so a worker
+        holds at most a group's episodes less one beyond its limit; waiting for room for a whole
+        group left a group's stragglers alone on an engine whose limit is under two groups, one
+        group at a time."""
         fits = [
             w
             for w, (load, limit) in enumerate(zip(self.loads, self.limits, strict=True))
-            if (self.only is None or w in self.only) and (load == 0 or load + self.group_size <= limit)
+            if (self.only is None or w in self.only) and load < limit
         ]
         return min(fits, key=lambda w: (self.loads[w], w)) if fits else None
 
