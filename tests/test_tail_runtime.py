@@ -147,34 +147,44 @@ def test_gate_worker_picks_the_least_loaded_engine_with_room_under_its_limit():
     assert TailLook(None, loads=[0], limits=[1], group_size=4).worker() == 0
 
 
-def test_the_gate_starts_a_group_beside_the_stragglers_of_another_on_an_engine_below_its_limit():
-    # groups of 2; the engines' measured knee: 2 sequences. g1 has one episode left on w0 (the other
-    # closed), g2 runs both of its on w2: w0 is below its limit and takes the next group (counting
-    # whole groups, w0 looked full and stood at half its knee until g1's straggler ended)
+def test_the_gate_starts_a_group_beside_the_stragglers_of_another_on_an_engine_below_its_room():
+    # groups of 2; the engines' measured knee: 2 sequences, so each keeps room for two groups (4). g1
+    # has one episode left on w0 (the other closed); w2 runs g2 and g3 whole: w0 takes the next groups
+    # (counting whole groups it looked full, and under the limit alone it took none: one group at a
+    # time, the engine idle between them)
     rt = RecordedRuntime(
         Snapshot(
             at=10.0,
-            episodes=[_ep("a", "g1", "w0"), _ep("c", "g2", "w2"), _ep("d", "g2", "w2")],
+            episodes=[
+                _ep("a", "g1", "w0"),
+                *(_ep(i, g, "w2") for i, g in (("c", "g2"), ("d", "g2"), ("e", "g3"), ("f", "g3"))),
+            ],
             limits={"w0": 2, "w2": 2},
         )
     )
     gate = TailGate(TailPolicy(), batch=8, per_worker=4, group_size=2, runtime=rt)
-    in_flight = [GroupInFlight(0, "g1", 0.0), GroupInFlight(1, "g2", 0.0)]
-    look = gate.look(0, in_flight, [1, 1], 12.0)
-    assert look.loads == [1, 2] and look.limits == [2, 2] and look.allows()
-    assert look.worker() == 0 and look.take(0) is False and look.worker() is None
+    in_flight = [GroupInFlight(0, "g1", 0.0), GroupInFlight(1, "g2", 0.0), GroupInFlight(1, "g3", 0.0)]
+    look = gate.look(0, in_flight, [1, 2], 12.0)
+    assert look.loads == [1, 4] and look.limits == [2, 2] and look.allows()
+    assert look.worker() == 0 and look.take(0) is False and look.worker() == 0
+    look.take(0)
+    assert look.loads == [5, 4] and look.worker() is None
 
 
-def test_a_group_starts_beside_the_stragglers_of_another_under_a_limit_of_less_than_two_groups():
-    # groups of 8 on an engine whose measured knee is 5 (or 15): 3 stragglers of the last group run.
-    # The engine queues what is over its limit, so the next group starts now; waiting for room for a
-    # whole group ran one group at a time, its tail alone on the engine (rollout idled a quarter of a
-    # run, the trainer half, in reflow runs without replay on calc-short)
+def test_an_engine_keeps_room_for_two_groups_under_a_limit_of_less():
+    # groups of 8 on an engine whose measured knee is 5 (or 15): the engine queues what is over its
+    # limit, so a second group waits ready beside the first (and beside a group's stragglers); under
+    # the limit alone one group ran at a time and the engine idled between groups (rollout idled a
+    # quarter of a run, the trainer half, in reflow runs without replay on calc-short)
     for limit in (5, 15):
         look = TailLook(None, loads=[3], limits=[limit], group_size=8)
         assert look.worker() == 0 and look.take(0) is False and look.loads == [11]
-    assert TailLook(None, loads=[11], limits=[5], group_size=8).worker() is None  # at its limit: no more
-    assert TailLook(None, loads=[15, 14], limits=[15, 15], group_size=8).worker() == 1
+        assert look.worker() == 0 and look.take(0) is False and look.worker() is None  # 19: full
+        assert TailLook(None, loads=[8], limits=[limit], group_size=8).worker() == 0
+    assert TailLook(None, loads=[16], limits=[5], group_size=8).worker() is None
+    # a limit above two groups is the room
+    assert TailLook(None, loads=[40], limits=[48], group_size=8).worker() == 0
+    assert TailLook(None, loads=[48], limits=[48], group_size=8).worker() is None
 
 
 @pytest.mark.slow
