@@ -4,7 +4,8 @@
 `TailGate`: before the loop starts groups it asks `TailPolicy` about the batch being collected (the
 groups with reward spread waiting count as done) and turns its actions into how many groups may start
 (`OverProvision`: up to B + delta; `CarryOver`, B done: none) and where (`TailLook.worker`: the least
-loaded engine below its limit, in sequences); admission control bounds staleness on top.
+loaded engine whose load, in sequences, is under its limit or two groups, whichever is more);
+admission control bounds staleness on top.
 With a `TailRuntime` the policy sees every episode in flight and each engine's limit, curve and
 prefill rate, and the gate's `RayActuator` applies `Migrate` (its event comes once measured),
 `FreeSlot` for the next batch (its groups may start on the freed engine) and `SetConcurrency`;
@@ -21,7 +22,8 @@ without one they are logged as not applied. Every decision that changes is a met
 - `observe`: the policy's episodes and engines from the snapshot, with the migrations applied since,
   and each engine's load in sequences: the episodes running on it (its own not yet closed, those
   migrated to it, placeholders for groups started since the snapshot; a group's closed episodes hold
-  no place): the loop starts a group on an engine below its limit (`TailLook.worker`).
+  no place): the loop starts a group on an engine whose load is under its limit or two groups
+  (`TailLook.worker`).
 - `migrate`: asks the episode's worker to move its generation (`RolloutWorker.migrate`: abort on the
   source, resubmit the exact token prefix on the target); the event comes when the worker has
   measured it (re-prefilled tokens, handoff and first-token seconds, outcome), with the policy's
