@@ -48,7 +48,7 @@ def test_the_policy_reads_its_knee_off_a_measured_curve():
     points = dict(curve.points())
     assert points[8] == 480.0 and points[16] == 500.0
     eng = EngineState("w0", running=3, max_running=16, curve=curve.points())
-    (act,) = TailPolicy().decide(TailObservation(8, 8, (), (eng,)))
+    (act,) = TailPolicy(TailConfig(set_concurrency=True)).decide(TailObservation(8, 8, (), (eng,)))
     assert act == SetConcurrency("w0", 8, act.reason)  # 480 >= 0.95 x 500; 4 (350) is not
     off = TailPolicy(TailConfig(set_concurrency=False)).decide(TailObservation(8, 8, (), (eng,)))
     assert off == []

@@ -88,6 +88,7 @@ def test_a_resume_restores_the_scheduler(tmp_path, ray_env):
         "run_name=r",
         "mode=reflow",
         "resources.slots=[rollout, train]",
+        "tail.set_concurrency=true",  # limits are saved and restored where the run sets them
     ]
     overrides += ["train.checkpoint_every=1", "eval.episodes=0", "eval.pass_at=0"]
     train(load_config(None, [*overrides, "train.steps=3"]), console=Console(quiet=True))

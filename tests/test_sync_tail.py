@@ -211,6 +211,7 @@ def test_sync_run_with_two_rollout_workers_migrates_its_stragglers_and_loses_no_
         "mode=sync",
         "resources.slots=[rollout, rollout, train]",
         "tail.enabled=true",
+        "tail.set_concurrency=true",  # opt-in: the test sees a limit set
     ]
     summary, rows = train_and_read([*overrides, "train.steps=5"])
     run_dir = tmp_path / "sync-migrate"

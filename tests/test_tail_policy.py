@@ -22,6 +22,7 @@ from reflow.policy.tail import (
 
 EPISODES_S = Quantiles(p50=10.0, p90=40.0, p99=100.0, count=200)
 GROUPS_S = Quantiles(p50=10.0, p90=20.0, p99=60.0, count=50)  # h = p90 / p50 = 2
+KNEE = TailConfig(set_concurrency=True)  # the concurrency limits are opt-in
 
 
 def ep(id, engine, seconds=30.0, tokens=1000, group=None, turns=5):
@@ -39,11 +40,11 @@ def test_concurrency_knee_is_where_tokens_per_s_saturate():
     assert concurrency_knee(curve, 0.0) == 32
     assert concurrency_knee(curve, 0.5) == 4  # 350 >= 252.5, 190 is not
     eng = EngineState("e0", running=3, max_running=32, curve=tuple(curve))
-    (act,) = TailPolicy().decide(TailObservation(8, 8, (), (eng,)))
+    (act,) = TailPolicy(KNEE).decide(TailObservation(8, 8, (), (eng,)))
     assert act == SetConcurrency("e0", 8, act.reason) and "480 tokens/s at concurrency 8" in act.reason
     # already at the knee, or no curve to read: no advice
     at_knee = EngineState("e0", running=3, max_running=8, curve=tuple(curve))
-    assert TailPolicy().decide(TailObservation(8, 8, (), (at_knee, EngineState("e1", 0, 8)))) == []
+    assert TailPolicy(KNEE).decide(TailObservation(8, 8, (), (at_knee, EngineState("e1", 0, 8)))) == []
 
 
 def test_a_limit_is_lowered_only_where_the_curve_was_seen_to_saturate():
@@ -51,13 +52,13 @@ def test_a_limit_is_lowered_only_where_the_curve_was_seen_to_saturate():
     # a limit of 20 could never measure more; the limit stays
     rising = ((4, 300.0), (12, 560.0), (20, 656.0))
     eng = EngineState("e0", running=20, max_running=64, curve=rising)
-    assert TailPolicy().decide(TailObservation(8, 8, (), (eng,))) == []
+    assert TailPolicy(KNEE).decide(TailObservation(8, 8, (), (eng,))) == []
     # one point above the knee that adds under 5%: saturated, the limit moves to the knee
     flat = (*rising, (28, 670.0))
-    (act,) = TailPolicy().decide(TailObservation(8, 8, (), (EngineState("e0", 20, 64, curve=flat),)))
+    (act,) = TailPolicy(KNEE).decide(TailObservation(8, 8, (), (EngineState("e0", 20, 64, curve=flat),)))
     assert act == SetConcurrency("e0", 20, act.reason)  # 656 >= 0.95 x 670
     # a limit below the knee (points measured before it was lowered) is raised to it
-    (up,) = TailPolicy().decide(TailObservation(8, 8, (), (EngineState("e0", 4, 12, curve=flat),)))
+    (up,) = TailPolicy(KNEE).decide(TailObservation(8, 8, (), (EngineState("e0", 4, 12, curve=flat),)))
     assert up == SetConcurrency("e0", 20, up.reason)
 
 
@@ -198,8 +199,9 @@ def test_the_migrate_and_set_concurrency_switches_turn_those_actions_off():
     assert kinds(TailPolicy(TailConfig(migrate=False)).decide(tail_obs())) == ["free_slot"]
     curve = ((1, 100.0), (4, 350.0), (8, 480.0), (16, 500.0))
     eng = EngineState("e0", running=3, max_running=16, curve=curve)
-    assert kinds(TailPolicy().decide(TailObservation(8, 8, (), (eng,)))) == ["set_concurrency"]
+    assert kinds(TailPolicy(KNEE).decide(TailObservation(8, 8, (), (eng,)))) == ["set_concurrency"]
     assert TailPolicy(TailConfig(set_concurrency=False)).decide(TailObservation(8, 8, (), (eng,))) == []
+    assert TailPolicy().decide(TailObservation(8, 8, (), (eng,))) == []  # off unless asked for
 
 
 def test_a_migration_never_targets_older_weights_than_the_episodes_newest_token():

@@ -15,7 +15,7 @@ import pytest
 from migration_helpers import ScriptedTail
 from run_helpers import LONG_TAIL_RUN, SMALL_ROLLOUT, TINY_MODEL
 
-from reflow.policy.tail import TailPolicy
+from reflow.policy.tail import TailConfig, TailPolicy
 from reflow.policy.tail_actions import FreeSlot, Migrate, OverProvision, SetConcurrency
 from reflow.runtime.tail import GroupInFlight, Snapshot, TailGate, TailLook, TailRuntime
 
@@ -107,6 +107,19 @@ def test_a_group_whose_episodes_all_closed_before_its_report_came_still_counts_a
     look = gate.look(0, in_flight, [1, 2], 12.0)
     over = [e for e in look.events if e["what"] == "over_provision"]
     assert over and "3 of 8 + 0 started" in over[0]["why"]  # g1, g3 and the finishing g2
+
+
+def test_a_resume_restores_saved_limits_only_where_the_run_sets_limits():
+    saved = {"limits": {"w0": 3, "w9": 5}}  # w9: no such engine now
+    rt = RecordedRuntime(Snapshot(at=0.0, episodes=[]))
+    # off (the default): a limit saved by a run that set one would hold for good; the engine keeps its own
+    assert (
+        TailGate(TailPolicy(), batch=4, per_worker=4, group_size=2, runtime=rt).load_state_dict(saved) == []
+    )
+    assert rt.asked == [] and rt.engine_limit("w0") == 8
+    knee = TailGate(TailPolicy(TailConfig(set_concurrency=True)), 4, 4, group_size=2, runtime=rt)
+    (event,) = knee.load_state_dict(saved)
+    assert event["engine"] == "w0" and event["limit"] == 3 and rt.engine_limit("w0") == 3
 
 
 def test_gate_applies_migrations_frees_the_source_for_the_next_batch_and_sets_limits():
@@ -209,6 +222,7 @@ def test_reflow_run_migrates_episodes_and_loses_no_group_or_episode(tmp_path, mo
         "train.steps=5",
         "resources.slots=[rollout, rollout, train]",
         "elastic.enabled=false",  # the slots stay put: this run is about the tail
+        "tail.set_concurrency=true",  # opt-in: the test sees a limit set
     ]
     try:
         summary = train(load_config(None, overrides))

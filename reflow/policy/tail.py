@@ -28,9 +28,14 @@ The actions and their rules (B = groups per train step):
   not throughput. A limit is lowered to the knee only when the curve saturates: some concurrency
   above the knee was measured. A curve still rising at its highest point says nothing about more
   sequences, and a limit set there could never measure them (the limit would only ratchet down).
+  Opt-in (`set_concurrency: true`): only TorchEngine reports the counters a curve is drawn from, and
+  there, on a CPU shared with the trainer and the envs (its intervals mix prefill, tool turns and the
+  trainer's load), the knee read too low: 2-17 sequences in runs where the engine, held at 8, gave
+  less than half the tokens/s it gave at its full batch of 64 (docs/results.md, "The tail
+  scheduler's concurrency limit on the CPU engine").
 
 `migrate: false` keeps every episode on its engine (only engines already empty are freed) and
-`set_concurrency: false` leaves the limits alone: ablations of those two actions.
+`set_concurrency: false` (the default) leaves the limits alone: ablations of those two actions.
 
 Predicted remaining time (`remaining_seconds`) is read off the completed-episode quantiles: an
 episode running s seconds has at least until the next quantile it has not reached (p50, p90, p99)
@@ -90,9 +95,10 @@ class TailConfig:
         ),
     )
     set_concurrency: bool = field(
-        default=True,
+        default=False,
         metadata=_doc(
-            "set each engine's concurrency limit at the knee of its measured (concurrency, tokens/s) curve"
+            "set each engine's concurrency limit at the knee of its measured (concurrency, tokens/s) "
+            "curve (opt-in: on the CPU engine the knee reads too low)"
         ),
     )
 

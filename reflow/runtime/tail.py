@@ -365,9 +365,11 @@ class TailGate:
         return {"limits": {e: rt.engine_limit(e) for e in rt.engine_ids()} if rt is not None else {}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """Apply the saved limits to the engines that have one; the events of the limits set."""
+        """Apply the saved limits to the engines that have one; the events of the limits set. Only
+        where this run sets limits (`tail.set_concurrency`): a limit saved by a run that did would
+        otherwise hold for good, as nothing here moves it again."""
         events: list[dict[str, Any]] = []
-        if self.runtime is None:
+        if self.runtime is None or self.policy is None or not self.policy.cfg.set_concurrency:
             return events
         for engine, limit in state.get("limits", {}).items():
             if engine in self.runtime.engine_ids():
