@@ -412,7 +412,7 @@ class ElasticSection(_fields_of(ElasticConfig, base=_PolicySection)):
 class TailSection(_fields_of(TailConfig, base=_PolicySection)):
     """The long-tail scheduler's policy (`reflow.policy.tail`). In sync mode (`reflow.recipes.sync_tail`):
     over-provisioning, partial rollouts paused through the train step, and with more than one rollout
-    worker migration and concurrency limits as in the decoupled modes."""
+    worker migration (and, with `set_concurrency`, concurrency limits) as in the decoupled modes."""
 
 
 class TasksSection(_fields_of(LearnabilityConfig)):

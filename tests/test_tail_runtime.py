@@ -17,7 +17,7 @@ from run_helpers import LONG_TAIL_RUN, SMALL_ROLLOUT, TINY_MODEL
 
 from reflow.policy.tail import TailConfig, TailPolicy
 from reflow.policy.tail_actions import FreeSlot, Migrate, OverProvision, SetConcurrency
-from reflow.runtime.tail import GroupInFlight, Snapshot, TailGate, TailLook, TailRuntime
+from reflow.runtime.tail import GroupInFlight, Snapshot, TailGate, TailLook, TailRuntime, tail_runtime
 
 TESTS = Path(__file__).parent
 
@@ -120,6 +120,22 @@ def test_a_resume_restores_saved_limits_only_where_the_run_sets_limits():
     knee = TailGate(TailPolicy(TailConfig(set_concurrency=True)), 4, 4, group_size=2, runtime=rt)
     (event,) = knee.load_state_dict(saved)
     assert event["engine"] == "w0" and event["limit"] == 3 and rt.engine_limit("w0") == 3
+    # and only such a run saves them: a later resume must not pin an engine at an old batch size
+    assert knee.state_dict() == {"limits": {"w0": 3, "w2": 8}}
+    assert TailGate(TailPolicy(), 4, 4, group_size=2, runtime=rt).state_dict() == {"limits": {}}
+
+
+def test_the_tail_runtime_is_there_whenever_the_tail_is_on():
+    """With migration and limits both off the gate still frees the engines already empty for the next
+    batch: that needs the runtime's per-episode view."""
+    from reflow.config import load_config
+
+    def runtime(*overrides):
+        return tail_runtime(Slots(), load_config(None, ["env.id=reflow/Calc-v0", "mode=reflow", *overrides]))
+
+    assert isinstance(runtime("tail.migrate=false", "tail.set_concurrency=false"), TailRuntime)
+    assert isinstance(runtime(), TailRuntime)
+    assert runtime("tail.enabled=false") is None
 
 
 def test_gate_applies_migrations_frees_the_source_for_the_next_batch_and_sets_limits():

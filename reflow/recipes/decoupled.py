@@ -105,7 +105,7 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
         fresh = max(0, got.accepted - trained[state.version] - (step.fresh if step else 0))
         # tail: how many more groups the batch being collected may start (B + delta; none once B
         # done) and where; in its tail, stragglers migrate, freed engines take the next batch's
-        # groups (as admission allows) and engine concurrency limits follow their measured knee
+        # groups (as admission allows) and (tail.set_concurrency) limits follow their measured knee
         confirmed = weights.confirmed
         room = admission.room(confirmed, got.accepted, in_flight(), trained[confirmed])
         gate = tail.look(

@@ -20,15 +20,16 @@ With more than one rollout worker, the tail's per-episode actions apply as in th
 migrate onto fewer engines, and an engine so freed starts the next round's groups (counted as
 over-provisioned): they count in the next round, not in this one (so a short group started early
 cannot close this round ahead of its own stragglers), pause with the stragglers at the round's end and
-resume on the new weights (with carry-over; without it, nothing starts early); each engine's
-concurrency limit follows its measured knee. With one rollout worker there is nothing to migrate to,
-and its limit stays as configured.
+resume on the new weights (with carry-over; without it, nothing starts early); with
+`tail.set_concurrency`, each engine's concurrency limit follows its measured knee. With one rollout
+worker there is nothing to migrate to.
 
 A round counts as done its groups with reward spread, and its zero-spread groups beyond the ones
 `rollout.max_resample_rounds` lets it replace (B per resampling round): with resampling off a round
 ends after B groups, as plain sync's does. The group and episode durations the tail reads leave the
 pauses out (an episode's record keeps `timings["total_s"]` and `timings["paused_s"]`); checkpoints save
-them and the engines' concurrency limits (`state_dict`), which a resume restores.
+them and, with `tail.set_concurrency`, the engines' concurrency limits (`state_dict`), which a resume
+restores.
 """
 
 from __future__ import annotations

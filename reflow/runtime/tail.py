@@ -328,9 +328,10 @@ class TailLook:
 
 def tail_runtime(cluster: Any, config: RunConfig) -> TailRuntime | None:
     """What applies a run's per-episode tail actions (migrations, freed engines, concurrency limits),
-    in any mode with tail handling; None when the tail is off or both actions are."""
+    in any mode with tail handling; None when the tail is off. With `tail.migrate` and
+    `tail.set_concurrency` both off it still frees the engines already empty for the next batch."""
     t, r = config.tail, config.rollout
-    if not (t.active(config.mode) and (t.migrate or t.set_concurrency)):
+    if not t.active(config.mode):
         return None
     return TailRuntime(cluster, r.group_size, r.max_batch_size, unknown_tokens=r.max_context_tokens)
 
@@ -358,18 +359,25 @@ class TailGate:
         """How many group durations the gate has seen."""
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resume restores (saved with checkpoints): each engine's concurrency limit, by engine
-        name (slot index: the layout is restored too). The durations behind the quantiles are the
-        loop's (`Arrivals`); the measured concurrency curves are measured again."""
+        """What a resume restores (saved with checkpoints): with `tail.set_concurrency`, each engine's
+        concurrency limit, by engine name (slot index: the layout is restored too); without it none
+        (each engine keeps the limit it starts with, `rollout.max_batch_size`, which a resume may
+        have raised). The durations behind the quantiles are the loop's (`Arrivals`); the measured
+        concurrency curves are measured again."""
         rt = self.runtime
-        return {"limits": {e: rt.engine_limit(e) for e in rt.engine_ids()} if rt is not None else {}}
+        if rt is None or not self._sets_limits():
+            return {"limits": {}}
+        return {"limits": {e: rt.engine_limit(e) for e in rt.engine_ids()}}
+
+    def _sets_limits(self) -> bool:
+        return self.policy is not None and self.policy.cfg.set_concurrency
 
     def load_state_dict(self, state: Mapping[str, Any]) -> list[dict[str, Any]]:
         """Apply the saved limits to the engines that have one; the events of the limits set. Only
         where this run sets limits (`tail.set_concurrency`): a limit saved by a run that did would
         otherwise hold for good, as nothing here moves it again."""
         events: list[dict[str, Any]] = []
-        if self.runtime is None or self.policy is None or not self.policy.cfg.set_concurrency:
+        if self.runtime is None or not self._sets_limits():
             return events
         for engine, limit in state.get("limits", {}).items():
             if engine in self.runtime.engine_ids():

@@ -209,7 +209,8 @@ SGLANG_TAIL = {"migrate": False, "set_concurrency": False}
 """TailConfig settings of what the Ray runtime applies on SGLang engines: over-provisioning and
 carry-over only, as SGLang's health reports no token counters, so the runtime has no prefill rate to
 price a migration and no (concurrency, tokens/s) curve to set a limit from (reflow.runtime.tail).
-On TorchEngine it applies all four actions, and `--from-run` keeps a run's own settings."""
+On TorchEngine it also migrates and frees engines, and sets limits where `tail.set_concurrency` says
+(off by default); `--from-run` keeps a run's own settings."""
 
 
 def make_tail(m: ModeConfig) -> TailPolicy:
