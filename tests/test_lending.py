@@ -136,7 +136,8 @@ def test_a_reflow_run_with_lending_trains_the_lent_engines_groups_and_loses_none
     # a lent group paused through a step resumed on the newer weights: per-token versions
     lent_records = [r for r in records if r.group_id in lent_groups]
     assert any(r.policy_version_start < r.policy_version_end for r in lent_records)
-    # the engine versions never go backwards, and trained staleness stays within tau_max
+    # the engine versions never go backwards (a lent group's staleness bound is
+    # test_a_lent_engine_kept_paused_by_back_to_back_steps_runs_on_once_its_group_passes_the_bound's)
     versions = [s["engine_version"] for s in steps]
     assert versions == sorted(versions)
 

@@ -20,8 +20,11 @@ trainer is the bottleneck.
 
 A lent engine yields at every step start, unless its oldest group in flight was started more than
 `eta` versions before the step's version (`lent_engine_yields`): a trainer that never waits would
-otherwise hold those episodes paused for ever, and the bound keeps them as fresh as admission keeps
-every other group.
+otherwise hold those episodes paused for ever. The bound is looser than admission's: a group started
+on version c yields to the steps that train versions c + 1 to c + eta + 1, runs on beside the one
+that trains c + eta + 2 and, if it finishes there, is trained by the next from version c + eta + 2:
+eta + 2 versions stale (3 at eta 1; a rollout worker's groups in start order: eta). Its per-token
+versions and the decoupled loss's weights carry that staleness as any straggler's.
 """
 
 from __future__ import annotations

@@ -7,8 +7,10 @@ the rank's slot, reserving nothing of its own). `LentEngines` is what the loop k
   every lendable engine lends from the start, and the policy reclaims where lending does not pay);
 - their groups in flight, started only while no train step runs, under the same admission control
   and time budget as the rollout workers' (the loop counts both); not under the tail gate, whose
-  B + delta is the rollout workers' share of a batch: a lent engine is capacity beyond it (mostly
-  the next batch's groups, started early), and its groups are paused through the steps anyway;
+  B + delta is the rollout workers' share of a batch: a lent engine starts mostly the next batch's
+  groups, early. Admission's room is shared: a lent group paused through a step holds a place the
+  rollout workers could have started a group in (measured on longtail-tiny: their idle share rose
+  beside a lent engine);
 - `pause` at a step's start: the engines' requests are aborted (their tokens kept) before the trainer
   computes, so the step has the slot within one decode step; an engine whose oldest group is past
   the staleness bound runs on instead (`reflow.policy.lending.lent_engine_yields`, asked at every
