@@ -170,6 +170,68 @@ def test_reflow_keeps_fresh_groups_within_the_documented_bound(tmp_path, countin
         assert max(out["fresh"]) > bound + 1  # the old count: the bound did not hold
 
 
+def _two_engines(
+    store: ReplayStore, *, B: int, eta: int, steps: int, push_s: tuple[float, float], counting: str
+):
+    """Async mode in simulated time with two engines: a rollout worker (engine 0) and a lent engine
+    (engine 1), each running up to B groups of 1 s (arriving in start order), steps of 1 s, and each
+    new version reaching engine e push_s[e] after its step (a lent engine loads it on its trainer's
+    core). A start is admitted against its own engine's confirmed version (counting="own", the loop's)
+    or the oldest over both ("oldest", the loop's before). Returns the staleness of every trained
+    group, the groups each engine started and the simulated seconds the steps took."""
+    adm = AdmissionControl(eta, B)
+    cfg = CycleConfig(tau_max=0, max_reuse=1, share_init=0.0, share_max=0.0)
+    engines = EngineVersions(2, version=0)
+    events: list[tuple[float, int, str, tuple[int, int]]] = []
+    trained, accepted, in_flight, version, now, n, last = {0: 0}, 0, 0, 0, 0.0, 0, 0.0
+    load, starts, stale, step_fresh = [0, 0], [0, 0], [], None
+    while version < steps:
+        for e in (0, 1):
+            while load[e] < B:
+                v = engines.confirmed[e] if counting == "own" else engines.min_confirmed
+                if not adm.may_start(v, accepted, in_flight, trained[v]):
+                    break
+                store.begin_group(f"g{n}", engines.confirmed[e])
+                last = max(now + 1.0, last + 1e-6)
+                heapq.heappush(events, (last, n, "group", (e, engines.confirmed[e])))
+                n, in_flight, load[e], starts[e] = n + 1, in_flight + 1, load[e] + 1, starts[e] + 1
+        if step_fresh is None:
+            plan = plan_batch(store, want=B, current_version=version, share=0.0, cfg=cfg)
+            if plan.size == B:
+                consume(store, plan, step=version + 1)
+                stale += [version - g.policy_version for g in plan.fresh]
+                step_fresh = len(plan.fresh)
+                heapq.heappush(events, (now + 1.0, -1, "step", (0, 0)))
+        now, seq, kind, (e, v) = heapq.heappop(events)
+        if kind == "group":
+            store.add_group(*make_group(f"g{seq}", [0.0, 1.0], version=v, n_turns=1, tokens=2))
+            accepted, in_flight, load[e] = accepted + 1, in_flight - 1, load[e] - 1
+        elif kind == "step":
+            version += 1
+            trained[version] = trained[version - 1] + step_fresh
+            step_fresh = None
+            for w in engines.publish(version):
+                heapq.heappush(events, (now + push_s[w], -2, "push", (w, version)))
+        else:
+            following = engines.confirm(e, v)
+            if following is not None:
+                heapq.heappush(events, (now + push_s[e], -2, "push", (e, following)))
+    return stale, starts, now
+
+
+def test_a_lagging_lent_engine_holds_back_only_its_own_starts(tmp_path):
+    """Each start is admitted against the weights of the engine it starts on: every group is still
+    trained at most eta versions stale, and a lent engine whose weights arrive late (3 s after each
+    1-s step) no longer shrinks the rollout worker's room, as counting from the oldest engine did."""
+    runs = {}
+    for counting in ("own", "oldest"):
+        with ReplayStore(tmp_path / f"{counting}.sqlite", "r") as store:
+            runs[counting] = _two_engines(store, B=4, eta=1, steps=12, push_s=(0.1, 3.0), counting=counting)
+    (stale, starts, seconds), (_, old_starts, old_seconds) = runs["own"], runs["oldest"]
+    assert max(stale) <= 1
+    assert starts[0] > old_starts[0] and seconds < old_seconds
+
+
 # ---- a step the trainer did not take
 
 

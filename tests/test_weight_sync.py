@@ -217,6 +217,24 @@ def ray_cluster(tmp_path, monkeypatch):
         ray.shutdown()
 
 
+def test_the_rollout_workers_are_admitted_from_their_own_weights_not_a_lagging_lent_engines():
+    from types import SimpleNamespace
+
+    from reflow.recipes.weight_sync import WeightPusher
+
+    cluster = SimpleNamespace(rollout=["w0", "w1"], lent=["lent0"])
+    cluster.engines = [*cluster.rollout, *cluster.lent]
+    pusher = WeightPusher(cluster, version=2)
+    assert pusher.versions.publish(3) == [0, 1, 2]
+    pusher.versions.confirm(0, 3)
+    pusher.versions.confirm(1, 3)  # the lent engine (2) is still loading version 3 beside a step
+    assert pusher.rollout_confirmed == 3 and pusher.confirmed == 2
+    pusher.versions.confirm(2, 3)
+    assert pusher.versions.publish(4) == [0, 1, 2]
+    pusher.versions.confirm(1, 4)  # the oldest rollout worker sets it
+    assert pusher.rollout_confirmed == 3
+
+
 @pytest.mark.slow
 def test_pushes_through_ray_are_confirmed_in_order_and_a_failed_one_names_its_worker(ray_cluster):
     import ray

@@ -93,7 +93,9 @@ class AdmissionControl:
     B is the groups per train step, `accepted` the groups ever accepted in this run
     (`accepted_groups`), `in_flight` those started and not yet stored or dropped, and `trained` the
     fresh groups trained by the first v steps, where v is the version the engines have confirmed
-    (the oldest weights a new group may be generated with). When every step trains B fresh groups
+    (the oldest weights a new group may be generated with; the loop asks per start, with the
+    confirmed version of the engines it starts on: the rollout workers' oldest, or a lent engine's
+    own, so the bound holds group by group). When every step trains B fresh groups
     (sync and async mode) trained = v * B, the default, and the bound reads accepted + in_flight <
     (eta + v + 1) * B: the n-th accepted group (in start order, from 0) starts with weights of
     version >= n // B - eta. Counting v from the engines' confirmed weights, not the trainer's, keeps

@@ -106,7 +106,7 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
         # tail: how many more groups the batch being collected may start (B + delta; none once B
         # done) and where; in its tail, stragglers migrate, freed engines take the next batch's
         # groups (as admission allows) and (tail.set_concurrency) limits follow their measured knee
-        confirmed = weights.confirmed
+        confirmed = weights.rollout_confirmed  # admission per start, from its engine's weights
         room = admission.room(confirmed, got.accepted, in_flight(), trained[confirmed])
         gate = tail.look(
             fresh,
@@ -138,17 +138,16 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
                 (lambda: _log_events(log, state, "elastic", lent.pause(state.version))) if lent else None
             )
             step = _start_step(cluster, config, state, share, time.monotonic() - waiting_since, yield_lent)
-            if step is not None and tail.policy is not None and in_flight():
-                _carry_over(log, state, step, in_flight())
+            if step is not None and tail.policy is not None and rollouts:  # lent groups pause apart
+                _carry_over(log, state, step, len(rollouts))
         if lent is not None and step is None:  # the trainer waits: its lent engines generate
             lent.resume()
-            while (  # extra capacity: what admission leaves beyond the gate's starts (not the gate's)
-                can_step
-                and (e := lent.free()) is not None
-                and admission.may_start(confirmed, got.accepted, in_flight(), trained[confirmed])
-                and not out_of_time(budget, now, got.mean_seconds + step_s)
-            ):
-                version = weights.versions.confirmed[len(cluster.rollout) + e]
+            while can_step and (e := lent.free()) is not None:  # what admission leaves (not the gate's)
+                version = weights.versions.confirmed[len(cluster.rollout) + e]  # its own weights
+                if not admission.may_start(
+                    version, got.accepted, in_flight(), trained[version]
+                ) or out_of_time(budget, now, got.mean_seconds + step_s):
+                    break
                 ref, _ = _launch(cluster, cluster.lent[e], e, version, state)
                 lent.started(ref, e, version)
         if step is None and (not can_step or not (in_flight() or weights.refs)):

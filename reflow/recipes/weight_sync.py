@@ -98,7 +98,16 @@ class WeightPusher:
 
     @property
     def confirmed(self) -> int:
+        """The oldest weights any engine (rollout worker or lent engine) may still generate with."""
         return self.versions.min_confirmed
+
+    @property
+    def rollout_confirmed(self) -> int:
+        """The oldest weights a rollout worker may still generate with: what the rollout workers'
+        starts are admitted against. A lent engine's starts are admitted against its own confirmed
+        version, so one still loading weights (on its trainer's core, beside a step) holds back only
+        its own starts."""
+        return min(self.versions.confirmed[: len(self.cluster.rollout)])
 
     def publish(self, version: int) -> None:
         """Trainer weights `version` to every worker: now where no push is in flight, else next."""
