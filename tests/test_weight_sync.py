@@ -229,10 +229,14 @@ def test_the_rollout_workers_are_admitted_from_their_own_weights_not_a_lagging_l
     pusher.versions.confirm(0, 3)
     pusher.versions.confirm(1, 3)  # the lent engine (2) is still loading version 3 beside a step
     assert pusher.rollout_confirmed == 3 and pusher.confirmed == 2
+    # a start on either rollout worker counts from 3, one on the lent engine (index 2) from its own 2
+    assert [pusher.admission_version(e) for e in range(3)] == [3, 3, 2]
+    with pytest.raises(ValueError, match="no engine 3"):
+        pusher.admission_version(3)
     pusher.versions.confirm(2, 3)
     assert pusher.versions.publish(4) == [0, 1, 2]
     pusher.versions.confirm(1, 4)  # the oldest rollout worker sets it
-    assert pusher.rollout_confirmed == 3
+    assert pusher.rollout_confirmed == 3 and pusher.admission_version(1) == 3
 
 
 @pytest.mark.slow

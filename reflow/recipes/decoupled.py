@@ -106,7 +106,7 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
         # tail: how many more groups the batch being collected may start (B + delta; none once B
         # done) and where; in its tail, stragglers migrate, freed engines take the next batch's
         # groups (as admission allows) and (tail.set_concurrency) limits follow their measured knee
-        confirmed = weights.rollout_confirmed  # admission per start, from its engine's weights
+        confirmed = weights.rollout_confirmed  # = admission_version(w) for every rollout worker w
         room = admission.room(confirmed, got.accepted, in_flight(), trained[confirmed])
         gate = tail.look(
             fresh,
@@ -143,7 +143,7 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
         if lent is not None and step is None:  # the trainer waits: its lent engines generate
             lent.resume()
             while can_step and (e := lent.free()) is not None:  # what admission leaves (not the gate's)
-                version = weights.versions.confirmed[len(cluster.rollout) + e]  # its own weights
+                version = weights.admission_version(len(cluster.rollout) + e)  # its own weights
                 if not admission.may_start(
                     version, got.accepted, in_flight(), trained[version]
                 ) or out_of_time(budget, now, got.mean_seconds + step_s):

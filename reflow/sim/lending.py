@@ -16,6 +16,12 @@ way); and the counters a run reports (busy and stored seconds, yields, run-ons, 
 
 A slot that joins the trainer later (an elastic move) lends no engine: the runtime places its lent
 engines beside the trainer ranks it starts with.
+
+Not modelled: a lent engine's weights arriving late. The runtime's lent engine loads each version on
+its trainer's core beside the next step, and admission counts its starts from the version it has
+confirmed (`WeightPusher.admission_version`); here every engine has the new version at each sync and
+lent groups start on it, so the simulator admits a lagging lent engine's groups more readily and
+tags them one version fresher than the runtime would.
 """
 
 from __future__ import annotations
