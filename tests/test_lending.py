@@ -187,11 +187,12 @@ def test_a_lent_engine_kept_paused_by_back_to_back_steps_runs_on_once_its_group_
     lent = LentEngines(SimpleNamespace(lent=[actor]), per_engine=2, eta=1)
     lent.started("group-a", 0, version=4)
     assert lent.pause(4) == [] and lent.paused == {0}  # step 5 starts: the engine yields
+    assert not lent.beside_step
     assert lent.pause(5) == [] and lent.paused == {0}  # step 6: one version old, still paused
     events = lent.pause(6)  # step 7: two versions old with eta 1: it runs on beside the step
     assert [e["what"] for e in events] == ["lent_runs_on"] and lent.paused == set()
     assert ray.get(actor.log.remote()) == ["pause", "resume"]
-    assert (lent.pauses, lent.ran_on) == (1, 1)
+    assert (lent.pauses, lent.ran_on) == (1, 1) and lent.beside_step  # the elastic driver reads it
     assert lent.free() is not None  # it has room for a second group (the loop starts none mid-step)
     assert lent.done("group-a") and lent.in_flight == 0 and not lent.done("group-a")
 
@@ -254,3 +255,50 @@ def test_a_resumed_run_gives_the_lent_engines_its_weights_too(local_ray):
     )
     sync_weights(cluster, 20)
     assert ray.get(lent.log.remote()) == ["weights v20"] == ray.get(worker.log.remote())
+
+
+def test_the_elastic_driver_keeps_the_policys_lend_window_from_the_loops_steps():
+    """What lending costs is read over the steps since the last change (`LendWindow`), not one step:
+    the driver adds each step's train seconds and trained tokens alone or beside a lent engine (its
+    `beside_step`), with the seconds the yield took before it, from the loop's counters (a resumed
+    run's earlier seconds are not this window's), and starts the window afresh after a change."""
+    from reflow.config import load_config
+    from reflow.recipes.run_state import RunState
+    from reflow.runtime.elastic import ElasticDriver
+
+    config = load_config(None, [*PARITY_ENV, *TINY_MODEL, *SMALL_ROLLOUT, "mode=reflow", "elastic.lend=true"])
+    group = config.rollout.group_size
+    state = RunState(trainer_busy_s=7.0, trained_tokens=900.0)  # a resumed run's counters so far
+    lent = SimpleNamespace(
+        beside_step=False, yield_s=0.0, busy_s=lambda: 0.0, state_dict=dict, load_state_dict=lambda s: None
+    )
+    driver = ElasticDriver(None, config, state, 0.0, lent)
+    assert ElasticDriver(None, config, state, 0.0).window is None  # no lending: no window
+    for seconds, tokens, beside, yield_s in ((2.0, 100.0, False, 0.1), (4.0, 150.0, True, 0.0)):
+        lent.beside_step, lent.yield_s = beside, yield_s
+        state.trainer_busy_s += seconds
+        state.trained_tokens += tokens
+        driver.stepped(2, state)
+    w = driver.window
+    assert (w.alone_s, w.alone_tokens, w.alone_samples, w.yield_s) == (2.0, 100.0, 2 * group, 0.1)
+    assert (w.beside_s, w.beside_tokens) == (4.0, 150.0)
+    assert w.alone_rate(1) == pytest.approx(group) and w.slowdown() == pytest.approx(1 - 250 / 6.1 / 50)
+    # a checkpoint keeps the window and the policy's last measured slowdown
+    driver.runtime.policy.lend_slowdown = 0.2
+    resumed = ElasticDriver(None, config, state, 0.0, lent)
+    resumed.load_state_dict(driver.state_dict())
+    assert resumed.window.entries == w.entries and resumed.runtime.policy.lend_slowdown == 0.2
+    # at a boundary the runtime gets the window; a hold keeps it, a change starts it afresh
+    got: list = []
+
+    def boundary(what):
+        def at_boundary(interval, **kw):
+            got.append(kw["lend_window"])
+            return {"what": what}, None
+
+        return at_boundary
+
+    for what, kept in (("hold", 2.0), ("reclaim", 0.0)):
+        driver.runtime = SimpleNamespace(at_boundary=boundary(what))
+        driver.at_boundary(state, 10.0, 0.0, replay_share=0.0, fresh_waiting=0, in_flight={})
+        assert got[-1] is w and w.alone_s == kept

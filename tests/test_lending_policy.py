@@ -13,7 +13,12 @@ from reflow.policy.elastic import (
     RoleChangeCost,
     observe,
 )
-from reflow.policy.lending import lent_engine_yields, lent_throughput, unlent_train_rate
+from reflow.policy.lending import (
+    LendWindow,
+    lending_cost,
+    lent_engine_yields,
+    lent_throughput,
+)
 
 COST_4S = RoleChangeCost(actor_start_s=1.0, weight_load_s=2.0, group_reform_s=1.0)
 
@@ -60,9 +65,78 @@ def test_a_lent_engine_adds_rollout_in_the_share_of_time_its_trainer_waits():
         lent_throughput(1, 1, 2, rollout_rate=1.0, train_rate=1.0)
 
 
-def test_the_trainer_rate_measured_beside_a_lent_engine_is_corrected_for_its_slowdown():
-    assert unlent_train_rate(1.8, 1, 0.1) == pytest.approx(2.0)
-    assert unlent_train_rate(1.8, 0, 0.1) == 1.8
+def test_the_lend_window_weighs_run_on_steps_and_yields_by_their_time_in_tokens():
+    w = LendWindow(steps=20)
+    assert w.alone_rate(1) is None and w.slowdown() is None
+    # three steps alone of 1000 tokens (16 samples) in 2 s each, the engines' yield 0.06 s before each
+    for _ in range(3):
+        w.add(2.0, 1000.0, 16, beside=False, yield_s=0.06)
+    assert w.alone_rate(1) == pytest.approx(8.0) and w.alone_rate(2) == pytest.approx(4.0)
+    assert w.slowdown() == pytest.approx(1 - 3000 / 6.18 / 500)  # the yields: 2.9%
+    # a step beside a lent engine running on: 1500 tokens in 4.5 s (1/3 slower a token)
+    w.add(4.5, 1500.0, 24, beside=True)
+    assert w.alone_rate(1) == pytest.approx(8.0)  # the rate alone is the steps alone's
+    assert w.slowdown() == pytest.approx(1 - 4500 / 10.68 / 500)  # 15.7%: its share of the window
+    w.add(3.0, 0.0, 16, beside=False, yield_s=0.2)  # a step that trained no sampled token: its yield
+    assert w.alone_s == 6.0 and w.yield_s == pytest.approx(0.38)
+    restored = LendWindow(steps=20)  # what a checkpoint keeps
+    restored.load_state_dict(w.state_dict())
+    assert restored.entries == w.entries and restored.slowdown() == w.slowdown()
+    w.reset()
+    assert w.slowdown() is None and w.alone_s == w.yield_s == 0.0
+    with pytest.raises(ValueError, match="at least one step"):
+        LendWindow(steps=0)
+
+
+def test_the_lend_window_keeps_only_its_last_steps():
+    # a run-on step long ago no longer counts: lengths and load drift over a run
+    w = LendWindow(steps=3)
+    w.add(4.5, 1500.0, 24, beside=True)
+    assert w.slowdown() is None  # nothing alone yet
+    for _ in range(2):
+        w.add(2.0, 1000.0, 16, beside=False)
+    assert w.slowdown() == pytest.approx(1 - 3500 / 8.5 / 500)
+    w.add(2.0, 1000.0, 16, beside=False)  # the run-on step leaves the window
+    assert w.beside_s == 0.0 and w.slowdown() == 0.0 and w.alone_rate(1) == pytest.approx(8.0)
+
+
+def test_lending_costs_what_the_window_measured_the_prior_only_where_nothing_was():
+    # engines lend; the window's steps alone trained 2.0 a second, lending cost 10% of its rate
+    assert lending_cost(1.8, 1, 0.05, alone_rate=2.0, slowdown=0.1) == (2.0, 0.1)
+    # nothing cost (no run-on, no yield time): the prior is not charged
+    assert lending_cost(2.0, 1, 0.05, alone_rate=2.0, slowdown=0.0) == (2.0, 0.0)
+    # engines lend and every step ran beside one: nothing alone to read, the prior stands in
+    assert lending_cost(1.9, 1, 0.05) == (pytest.approx(2.0), 0.05)
+    # nothing lends: the rate alone, the prior what lending would cost
+    assert lending_cost(1.7, 0, 0.1, alone_rate=1.8, slowdown=0.0) == (1.8, 0.1)
+    assert lending_cost(1.8, 0, 0.1) == (1.8, 0.1)
+
+
+def test_observe_carries_the_lend_window():
+    interval = Interval(10.0, 5.0, 5.0, 8.0, 14.0)
+    kw = dict(step=5, version=5, steps_since_change=5, rollout_slots=1, train_slots=1, batch_size=4.0)
+    w = LendWindow(steps=20)
+    w.add(6.0, 600.0, 12, beside=False)
+    w.add(2.0, 100.0, 2, beside=True)
+    o = observe(interval, **kw, lent_slots=1, lendable_slots=1, lend_window=w)
+    assert o.train_rate == pytest.approx(14 / 8) and o.train_rate_alone == pytest.approx(2.0)
+    assert o.lend_slowdown == pytest.approx(1 - (700 / 8) / 100)
+    assert observe(interval, **kw, lendable_slots=1).train_rate_alone is None  # no window: lending off
+    # no slot lends now: the rate alone is read, no slowdown (what lending costs is not being measured)
+    idle = observe(interval, **kw, lendable_slots=1, lend_window=w)
+    assert idle.train_rate_alone == pytest.approx(2.0) and idle.lend_slowdown is None
+
+
+def test_the_policy_charges_lending_its_last_measured_slowdown_once_no_slot_lends():
+    # measured while lending: 25% (a trainer-bound pipeline): reclaim
+    p = policy()
+    lent = two_slots(rollout_slots=2, train_rate=1.8, lent_slots=1, rollout_idle=0.3, train_idle=0.0)
+    assert p.decide(replace(lent, train_rate_alone=2.4, lend_slowdown=0.25)).action == "reclaim"
+    assert p.lend_slowdown == 0.25
+    # later, rollout-bound, nothing lends: a lend is weighed at the 25% measured, not the 10% prior:
+    # T 1 -> 2 / (1 + 1 / 1.5) = 1.2 (the prior would have said 2 / (1 + 1 / 1.8) = 1.29)
+    d = p.decide(two_slots(version=20, step=20))
+    assert d.action == "lend" and d.throughput_target == pytest.approx(1.2)
 
 
 def test_lends_on_two_slots_where_no_move_is_possible():
@@ -87,6 +161,18 @@ def test_reclaims_when_the_trainer_is_the_bottleneck():
     d = policy().decide(o)
     assert (d.action, d.lent_slots) == ("reclaim", 0)
     assert (d.throughput_now, d.throughput_target) == (pytest.approx(1.8), pytest.approx(2.0))
+
+
+def test_keeps_lending_where_the_trainer_is_the_bottleneck_but_its_steps_ran_alone():
+    # the same trainer-bound pipeline, lending, but measured: the steps the engine yielded to ran at
+    # the trainer's rate, none ran on beside. Lending costs nothing measured (a trainer that never
+    # waits gives its engine no time to fill): no reclaim on an assumed 10% (T 1.8 -> 1.8)
+    o = two_slots(rollout_slots=2, train_rate=1.8, lent_slots=1, rollout_idle=0.3, train_idle=0.0)
+    assert policy().decide(replace(o, train_rate_alone=1.8, lend_slowdown=0.0)).action == "hold"
+    # a window whose run-on steps cost the trainer 25% of its rate: reclaim
+    d = policy().decide(replace(o, train_rate_alone=2.4, lend_slowdown=0.25))
+    assert (d.action, d.throughput_now, d.throughput_target) == ("reclaim", pytest.approx(1.8), 2.0)
+    assert d.reason.startswith("reclaim (0 of 1 train slots lending)")
 
 
 def test_holds_when_lending_gains_less_than_the_minimum():

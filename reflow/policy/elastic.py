@@ -44,7 +44,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from reflow.policy.lending import lent_throughput, relative_gain, unlent_train_rate
+from reflow.policy.lending import LendWindow, lending_cost, lent_throughput, relative_gain
 
 
 def _doc(text: str) -> dict[str, str]:
@@ -82,8 +82,16 @@ class ElasticConfig:
     lend_overhead: float = field(
         default=0.05,
         metadata=_doc(
-            "the trainer's slowdown (share of its rate) beside a lent engine: `reflow bench lending` measured "
-            "1.5% on calc-tiny in steps it yields to, 35% in steps it runs on beside"
+            "the trainer's slowdown (share of its rate) assumed for lending until it is measured: once "
+            "engines lend, the policy reads it over the steps since its last change, those a lent engine "
+            "ran on beside and the yields' seconds against the steps alone (`reflow bench lending` "
+            "measured 35% a run-on step and 1.5% a yield on calc-tiny)"
+        ),
+    )
+    lend_window_steps: int = field(
+        default=20,
+        metadata=_doc(
+            "lending's cost is read over the last this many train steps since the policy's last change"
         ),
     )
     lend_min_gain: float = field(
@@ -106,6 +114,8 @@ class ElasticConfig:
             raise ValueError(f"drain_timeout_s must be finite and > 0, got {self.drain_timeout_s}")
         if not 0.0 <= self.lend_overhead < 1.0:
             raise ValueError(f"lend_overhead is a share in [0, 1), got {self.lend_overhead}")
+        if self.lend_window_steps < 1:
+            raise ValueError(f"lend_window_steps must be >= 1, got {self.lend_window_steps}")
         if not (math.isfinite(self.lend_min_gain) and self.lend_min_gain >= 0):
             raise ValueError(f"lend_min_gain must be finite and >= 0, got {self.lend_min_gain}")
         if not (math.isfinite(self.initial_change_cost_s) and self.initial_change_cost_s >= 0):
@@ -173,6 +183,12 @@ class ElasticObservation:
     """l: train slots lending their engine now (their generation is in `rollout_rate`'s counters)."""
     lendable_slots: int = 0
     """Train slots that hold an engine to lend (0: lending is off)."""
+    train_rate_alone: float | None = None
+    """t over the steps since the last change beside which no lent engine generated (None: none yet,
+    or lending off)."""
+    lend_slowdown: float | None = None
+    """Lending's measured slowdown of the trainer over those steps (`LendWindow.slowdown`; None
+    while no slot lends)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.lent_slots <= self.lendable_slots <= self.train_slots:
@@ -185,8 +201,10 @@ class ElasticObservation:
                 raise ValueError(f"ElasticObservation.{name} must be >= 0, got {getattr(self, name)}")
         if self.rollout_slots < 0 or self.train_slots < 0:
             raise ValueError(f"slot counts must be >= 0, got {self.rollout_slots} and {self.train_slots}")
-        for name in ("rollout_rate", "train_rate", "batch_size"):
+        for name in ("rollout_rate", "train_rate", "batch_size", "train_rate_alone", "lend_slowdown"):
             value = getattr(self, name)
+            if value is None and name in ("train_rate_alone", "lend_slowdown"):
+                continue
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"ElasticObservation.{name} must be finite and >= 0, got {value}")
         if not (math.isfinite(self.reuse) and self.reuse >= 1.0):
@@ -287,11 +305,14 @@ def observe(
     unit: Literal["samples", "tokens"] = "samples",
     lent_slots: int = 0,
     lendable_slots: int = 0,
+    lend_window: LendWindow | None = None,
 ) -> ElasticObservation:
     """The policy's observation from one interval's counters (see the module docstring); a side with
     no busy time measured gets rate 0 (the policy then holds), an interval of no time idle 0. A lent
     engine's generating seconds count in r (work per generating slot-second), not in the rollout
-    idle ratio, which stays the rollout slots' own (a lent engine generating would hide their wait)."""
+    idle ratio, which stays the rollout slots' own (a lent engine generating would hide their wait).
+    With lending on, `lend_window` (the trainer's steps since the last change, alone and beside a lent
+    engine) gives the trainer's rate alone and lending's slowdown (`reflow.policy.lending`)."""
     generating = interval.rollout_busy_s + interval.lent_busy_s
     r = interval.generated / generating if generating > 0 else 0.0
     busy_train = interval.trainer_busy_s * train_slots
@@ -319,6 +340,8 @@ def observe(
         unit=unit,
         lent_slots=lent_slots,
         lendable_slots=lendable_slots,
+        train_rate_alone=lend_window.alone_rate(train_slots) if lend_window is not None else None,
+        lend_slowdown=lend_window.slowdown() if lend_window is not None and lent_slots else None,
     )
 
 
@@ -351,14 +374,17 @@ class ElasticDecision:
 class ElasticPolicy:
     """Decides, at each version boundary, whether one slot changes role (see the module docstring).
 
-    `decide` keeps two facts between calls: the last version asked about (versions never go back)
-    and the version of its last move (it never moves twice in one version, however often asked).
+    `decide` keeps three facts between calls: the last version asked about (versions never go back),
+    the version of its last move (it never moves twice in one version, however often asked) and the
+    last slowdown lending was measured at (`lend_slowdown`: what lending costs once no slot lends
+    any more, in place of `lend_overhead`).
     """
 
     def __init__(self, cfg: ElasticConfig | None = None) -> None:
         self.cfg = cfg or ElasticConfig()
         self.last_version: int | None = None
         self.last_move_version: int | None = None
+        self.lend_slowdown: float | None = None
 
     def best_split(self, obs: ElasticObservation) -> tuple[int, int]:
         """The split with the highest T (no slot lending) within the slot minimums; ties go to the
@@ -376,16 +402,21 @@ class ElasticPolicy:
     def throughput(
         self, obs: ElasticObservation, rollout_slots: int, train_slots: int, lent: int = 0
     ) -> float:
-        """T at a split with `lent` train slots lending (`reflow.policy.lending.lent_throughput`), the
-        trainer's rate taken without the slowdown a lent engine beside it put in the measurement."""
+        """T at a split with `lent` train slots lending (`reflow.policy.lending.lent_throughput`), with
+        the trainer's rate alone and lending's slowdown as the window measured them, else the last
+        slowdown measured, else `lend_overhead` (`reflow.policy.lending.lending_cost`)."""
+        prior = self.lend_slowdown if self.lend_slowdown is not None else self.cfg.lend_overhead
+        rate, overhead = lending_cost(
+            obs.train_rate, obs.lent_slots, prior, obs.train_rate_alone, obs.lend_slowdown
+        )
         return lent_throughput(
             rollout_slots,
             train_slots,
             lent,
             rollout_rate=obs.rollout_rate,
-            train_rate=unlent_train_rate(obs.train_rate, obs.lent_slots, self.cfg.lend_overhead),
+            train_rate=rate,
             reuse=obs.reuse,
-            overhead=self.cfg.lend_overhead,
+            overhead=overhead,
         )
 
     def decide(self, obs: ElasticObservation) -> ElasticDecision:
@@ -396,6 +427,8 @@ class ElasticPolicy:
         if self.last_version is not None and obs.version < self.last_version:
             raise ValueError(f"policy version went backwards: {obs.version} after {self.last_version}")
         self.last_version = obs.version
+        if obs.lent_slots and obs.lend_slowdown is not None:
+            self.lend_slowdown = obs.lend_slowdown
         n, m, lent = obs.rollout_slots, obs.train_slots, obs.lent_slots
         now = self.throughput(obs, n, m, lent)
         state = (
@@ -539,6 +572,8 @@ def decision_event(decision: ElasticDecision, obs: ElasticObservation) -> dict[s
         "lent_slots": decision.lent_slots,
         "rollout_rate": obs.rollout_rate,
         "train_rate": obs.train_rate,
+        "train_rate_alone": obs.train_rate_alone,
+        "lend_slowdown": obs.lend_slowdown,
         "rollout_idle": obs.rollout_idle,
         "train_idle": obs.train_idle,
         "reuse": obs.reuse,

@@ -10,7 +10,9 @@ The pipeline model with lending (the elastic policy's units; n rollout slots, m 
 l lend, r and t the per-slot rates, u the reuse):
 
     a lent engine generates only while its trainer idles: 1 - b of the time, b = T / (m t') the
-    trainer's busy share, t' = t (1 - o) with o the trainer's slowdown beside a lent engine
+    trainer's busy share, t' = t (1 - o) with o the trainer's slowdown beside a lent engine (measured:
+    the steps it ran on beside cost about a third of the trainer's rate, those it yielded to about
+    nothing; `lending_cost` reads o from the steps since the last change, `LendWindow`)
     T = u r (n + l (1 - T / (m t')))   solved for T:
     T_lend(n, m, l) = min(u r (n + l) / (1 + u r l / (m t')), m t')
 
@@ -30,12 +32,109 @@ versions and the decoupled loss's weights carry that staleness as any straggler'
 from __future__ import annotations
 
 import math
+from collections import deque
 
 
-def unlent_train_rate(train_rate: float, lent_now: int, overhead: float) -> float:
-    """The trainer's rate without a lent engine beside it, from the rate measured with `lent_now`
-    slots lending (measured with lending, the slowdown `overhead` is in it)."""
-    return train_rate / (1.0 - overhead) if lent_now > 0 else train_rate
+class LendWindow:
+    """The trainer's last `steps` train steps since the lending level (or the split) last changed, each
+    alone (no lent engine generated beside it: its engines yielded or held nothing) or beside (one ran
+    on past the staleness bound), with its train seconds (the yield before it not included), trained
+    tokens and samples, and the seconds the yield before it took (the engines' pause round trip, a GPU
+    hand-over). A driver adds each step and resets it when a change is applied; the policy reads the
+    window, not one step (its boundaries come every step, and a step is either alone or beside), and
+    not the whole run (lengths drift). Tokens are what each driver counts a step's work in: the
+    runtime its sampled tokens (replays counted again), the simulator the same."""
+
+    def __init__(self, steps: int) -> None:
+        if steps < 1:
+            raise ValueError(f"a lend window holds at least one step, got {steps}")
+        self.entries: deque[tuple[float, float, float, bool, float]] = deque(maxlen=steps)
+
+    def add(
+        self, seconds: float, tokens: float, samples: float, *, beside: bool, yield_s: float = 0.0
+    ) -> None:
+        """One step of `seconds` on `tokens` and `samples`, `yield_s` before it; a step that trained
+        nothing (no sampled token) counts only its yield."""
+        if seconds < 0 or yield_s < 0:
+            raise ValueError(f"a step's seconds must be >= 0, got {seconds} and yield {yield_s}")
+        if tokens <= 0:
+            seconds = tokens = samples = 0.0
+        self.entries.append((seconds, tokens, samples, beside, yield_s))
+
+    def _sum(self, field: int, beside: bool | None = None) -> float:
+        return sum(e[field] for e in self.entries if beside is None or e[3] is beside)
+
+    @property
+    def alone_s(self) -> float:
+        return self._sum(0, beside=False)
+
+    @property
+    def beside_s(self) -> float:
+        return self._sum(0, beside=True)
+
+    @property
+    def yield_s(self) -> float:
+        return self._sum(4)
+
+    @property
+    def alone_tokens(self) -> float:
+        return self._sum(1, beside=False)
+
+    @property
+    def beside_tokens(self) -> float:
+        return self._sum(1, beside=True)
+
+    @property
+    def alone_samples(self) -> float:
+        return self._sum(2, beside=False)
+
+    def alone_rate(self, train_slots: int) -> float | None:
+        """t alone: samples per second and train slot over the steps alone (None: none yet)."""
+        busy = self.alone_s * train_slots
+        return self.alone_samples / busy if busy > 0 else None
+
+    def slowdown(self) -> float | None:
+        """o = 1 - (tokens per second over every step, the yields' seconds added) / (tokens per second
+        over the steps alone), at least 0: what the run-on steps and the yields cost the trainer,
+        weighted by their share of the window, in tokens (a step's time follows its tokens, not its
+        samples). None before a step alone."""
+        alone_s, alone_tokens = self.alone_s, self.alone_tokens
+        if alone_s <= 0 or alone_tokens <= 0:
+            return None
+        every = self._sum(1) / (self._sum(0) + self.yield_s)
+        return max(0.0, 1.0 - every / (alone_tokens / alone_s))
+
+    def reset(self) -> None:
+        self.entries.clear()
+
+    def state_dict(self) -> list[list[float | bool]]:
+        return [list(e) for e in self.entries]
+
+    def load_state_dict(self, state: list[list[float | bool]]) -> None:
+        self.entries.clear()
+        for s, t, n, beside, y in state:
+            self.entries.append((float(s), float(t), float(n), bool(beside), float(y)))
+
+
+def lending_cost(
+    train_rate: float,
+    lent_now: int,
+    prior: float,
+    alone_rate: float | None = None,
+    slowdown: float | None = None,
+) -> tuple[float, float]:
+    """(t, o): the trainer's rate without a lent engine beside it and the slowdown lending costs it.
+    `train_rate`: t measured over the last interval, every step; `alone_rate` and `slowdown`: over
+    the steps since the last change (`LendWindow`); `prior`: the slowdown assumed where none is
+    measured.
+
+    - A step alone in the window: t = alone_rate; o = slowdown where engines lend now, else prior
+      (nothing lends: what lending would cost is not measured).
+    - None: t = train_rate / (1 - prior) where engines lend (every step ran beside one), else
+      train_rate; o = prior."""
+    if alone_rate is not None and alone_rate > 0:
+        return alone_rate, (slowdown or 0.0) if lent_now > 0 else prior
+    return (train_rate / (1.0 - prior) if lent_now > 0 else train_rate), prior
 
 
 def lent_throughput(
@@ -48,8 +147,8 @@ def lent_throughput(
     reuse: float = 1.0,
     overhead: float = 0.0,
 ) -> float:
-    """T_lend(n, m, l) of the module docstring; `train_rate`: the trainer's rate without a lent engine
-    beside it (`unlent_train_rate`)."""
+    """T_lend(n, m, l) of the module docstring; `train_rate` and `overhead`: the trainer's rate without
+    a lent engine beside it and its slowdown with one (`lending_cost`)."""
     if not 0 <= lent <= train_slots:
         raise ValueError(f"{lent} lending slots of {train_slots} train slots")
     if not 0.0 <= overhead < 1.0:

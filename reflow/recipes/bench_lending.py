@@ -2,7 +2,8 @@
 
 Lending (`elastic.lend`) puts a rollout engine on a trainer rank's slot; it generates while the trainer
 waits for a batch and yields when a step starts. The elastic policy weighs a lend against the trainer's
-slowdown beside the engine (`elastic.lend_overhead`). This benchmark measures it on a real cluster of
+slowdown beside the engine, which a run reads from its own steps (`reflow.policy.lending.LendWindow`;
+`elastic.lend_overhead` is the prior before it has). This benchmark measures it on a real cluster of
 the config (mode reflow, lending on): the wall time of one train step, seen from the driver, under
 three conditions, the rollout workers generating throughout as they do in a run:
 
@@ -19,7 +20,8 @@ A round takes `--steps` train steps in each condition, in an order that rotates 
 as a run's loop gives it (`rollout.max_batch_size // rollout.group_size`); every step trains the same
 batch of stored groups, so the work per step is the same. Each round gives one ratio per condition to `alone`
 (mean step seconds); the report is their geometric mean with its 95% interval over the rounds, and
-the overhead o = 1 - t_alone / t_condition that `elastic.lend_overhead` stands for. Nothing here is
+the overhead o = 1 - t_alone / t_condition (the figures behind `elastic.lend_overhead`'s prior and the
+simulator's `sync.lend_beside_slowdown`). Nothing here is
 trained for keeps: the run folder is scratch.
 """
 
@@ -252,7 +254,7 @@ def add_parser(bench_sub: argparse._SubParsersAction) -> None:
         help="a train step's seconds with and without a lent engine beside the trainer",
         description="Time train steps on one stored batch with the lent engine idle, yielding at the step "
         "(lending's normal case) and running on through it; rounds rotate the order; ratios to idle "
-        "with 95% intervals, and the overhead that elastic.lend_overhead stands for.",
+        "with 95% intervals, and the overhead each implies.",
     )
     p.add_argument("--config", help="the run config (default: the built-in defaults)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")

@@ -165,7 +165,7 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
                 trained[state.version] = trained[before] + step.fresh
                 got.reports, waiting_since = [], time.monotonic()
                 if elastic is not None:  # elastic pool: a slot may change role at this version boundary
-                    elastic.stepped(len(step.plan.group_ids))
+                    elastic.stepped(len(step.plan.group_ids), state)
                     by_worker = (rollouts, workers, weights)  # what the loop keys by worker position
                     _elastic_boundary(elastic, cluster, log, state, clock, share, got, trained, by_worker)
                 step = None

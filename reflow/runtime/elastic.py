@@ -32,6 +32,7 @@ from reflow.policy.elastic import (
     decision_event,
     observe,
 )
+from reflow.policy.lending import LendWindow
 from reflow.runtime.actuator import RayActuator
 
 if TYPE_CHECKING:
@@ -78,6 +79,7 @@ class ElasticRuntime:
         replay_share: float = 0.0,
         fresh_waiting: int = 0,
         in_flight: Mapping[Any, tuple[int, Sequence[str]]] | None = None,
+        lend_window: LendWindow | None = None,
     ) -> tuple[dict[str, Any], RoleChange | None]:
         """Decide at this version boundary (no train step in flight) and apply a move. `in_flight`:
         object ref of each `generate` call in flight -> (its worker's position in `cluster.rollout`, the
@@ -102,6 +104,7 @@ class ElasticRuntime:
             unit=self.unit,
             lent_slots=lent.lending if lent is not None else 0,
             lendable_slots=len(self.cluster.lent),
+            lend_window=lend_window,
         )
         decision = self.policy.decide(obs)
         event = decision_event(decision, obs)
@@ -139,20 +142,33 @@ class ElasticDriver:
         )
         self.runtime.actuator.lent = self.lent = lent
         self.trained = 0.0  # episodes trained on (fresh and replayed; samples, the policy's unit)
+        # the trainer's steps since the last change, alone or beside a lent engine (lending on)
+        self.window = LendWindow(policy.cfg.lend_window_steps) if lent is not None else None
+        self.seen = (state.trainer_busy_s, state.trained_tokens)
         self.then = self._totals(state, now_s, 0.0)
 
-    def stepped(self, groups: int) -> None:
-        self.trained += groups * self.group_size
+    def stepped(self, groups: int, state: Any) -> None:
+        """A step trained `groups` groups (`state`: the loop's `RunState`, the step counted in it).
+        With lending, the step goes into the window alone or beside a lent engine, with its yield."""
+        work = groups * self.group_size
+        self.trained += work
+        busy, tokens = state.trainer_busy_s - self.seen[0], state.trained_tokens - self.seen[1]
+        self.seen = (state.trainer_busy_s, state.trained_tokens)
+        if self.window is not None and self.lent is not None:
+            self.window.add(busy, tokens, work, beside=self.lent.beside_step, yield_s=self.lent.yield_s)
 
     def state_dict(self) -> dict[str, Any]:
         """What a resume restores (saved with checkpoints): the measured cost of each direction, the
-        step of the last change (the dwell time) and the policy's last move. The slot layout is the
-        cluster's (`Cluster.roles`), restored when the cluster starts."""
+        step of the last change (the dwell time), the policy's last move and last lending slowdown,
+        and the lending window. The slot layout is the cluster's (`Cluster.roles`), restored when the
+        cluster starts."""
         rt, policy = self.runtime, self.runtime.policy
         return {
             "costs": {k: asdict(c) if c is not None else None for k, c in rt.costs.items()},
             "last_change_step": rt.last_change_step,
             "last_move_version": policy.last_move_version,
+            "lend_slowdown": policy.lend_slowdown,
+            "lend_window": self.window.state_dict() if self.window is not None else None,
             "lent": self.lent.state_dict() if self.lent is not None else None,
         }
 
@@ -161,6 +177,9 @@ class ElasticDriver:
         rt.costs = {k: RoleChangeCost(**c) if c is not None else None for k, c in state["costs"].items()}
         rt.last_change_step = int(state["last_change_step"])
         rt.policy.last_move_version = state["last_move_version"]
+        rt.policy.lend_slowdown = state.get("lend_slowdown")
+        if self.window is not None and state.get("lend_window"):
+            self.window.load_state_dict(state["lend_window"])
         if self.lent is not None and state.get("lent"):
             self.lent.load_state_dict(state["lent"])
 
@@ -178,14 +197,18 @@ class ElasticDriver:
         loop's `RunState`; `generated`: episodes arrived since the loop started)."""
         now = self._totals(state, now_s, generated)
         interval, self.then = Interval.between(self.then, now), now
-        return self.runtime.at_boundary(
+        event, change = self.runtime.at_boundary(
             interval,
             step=state.step,
             version=state.version,
             replay_share=replay_share,
             fresh_waiting=fresh_waiting,
             in_flight={ref: (g.worker, [g.group_id]) for ref, g in in_flight.items()},
+            lend_window=self.window,
         )
+        if self.window is not None and event["what"] != "hold":  # a change: measured afresh from here
+            self.window.reset()
+        return event, change
 
     def _totals(self, state: Any, now_s: float, generated: float) -> Totals:
         lent_s = self.lent.busy_s() if self.lent is not None else 0.0

@@ -83,7 +83,12 @@ class LentEngines:
         self.pauses = state.lent_yields if state is not None else 0
         """Step starts at which at least one lent engine yielded (the run's, a resumed one's too)."""
         self.ran_on = 0
-        """Step starts at which a lent engine ran on past the staleness bound."""
+        """Run-ons: a lent engine running on past the staleness bound at a step start (one per engine
+        and step)."""
+        self.beside_step = False
+        """Whether a lent engine generates beside the step started last (ran on past the bound)."""
+        self.yield_s = 0.0
+        """Seconds the engines took to yield before the step started last (0: none yielded)."""
 
     @property
     def in_flight(self) -> int:
@@ -144,12 +149,16 @@ class LentEngines:
                 f"versions before {version}: it generates beside the step",
                 "engine": engine,
             })  # fmt: skip
+        self.yield_s = 0.0
         if yielding:
+            t0 = time.monotonic()
             ray.get([self.cluster.lent[e].pause_episodes.remote() for e in yielding])
+            self.yield_s = time.monotonic() - t0
             self.pauses += 1
         for engine in yielding:
             self._stop_clock(engine)
             self.paused.add(engine)
+        self.beside_step = bool(running_on)
         self._resume([e for e in running_on if e in self.paused])
         for engine in running_on:  # it generates beside the step from now on
             if self._busy.running(engine):

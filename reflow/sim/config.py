@@ -140,6 +140,14 @@ class SyncCost(_Section):
         "trainer and its lent engine, each way (the engine's KV and weights offloaded before a step it "
         "yields to, onloaded before it decodes again); 0: CPU-like sharing, nothing to move",
     )
+    lend_beside_slowdown: float = Field(
+        0.35,
+        ge=0,
+        lt=1,
+        description="lending: the trainer's slowdown (share of its rate) in a step a lent engine generates "
+        "beside (runs on past eta); 0.35 measured on 2 CPU cores (`reflow bench lending`, calc-tiny); a "
+        "step the engines yield to costs `lend_switch_s` only",
+    )
 
 
 class Lognormal(_Section):

@@ -10,18 +10,20 @@ engine); when they take groups (only while no train step runs, under the same ad
 the rollout engines, not under the tail gate, whose B + delta is the rollout engines' share); their
 yield at each step start (requests paused with their tokens, resumed once the trainer waits again, on
 the weights of then; an engine whose oldest group is more than eta versions old runs on beside the
-step instead: `lent_engine_yields`); the trainer's slowdown beside a lending slot (its rate times
-1 - `elastic_config.lend_overhead`); the assumed cost of handing a GPU over (`sync.lend_switch_s`, each
-way); and the counters a run reports (busy and stored seconds, yields, run-ons, groups).
+step instead: `lent_engine_yields`); the trainer's slowdown in a step a lent engine runs on beside
+(its rate times 1 - `sync.lend_beside_slowdown`; a step its engines yield to runs at the trainer's
+own rate, as `reflow bench lending` measured on CPU: 1.5% slower, against 35% beside); the assumed
+cost of handing a GPU over (`sync.lend_switch_s`, each way); and the counters a run reports (busy and
+stored seconds, yields, run-ons, groups) and the policy observes (busy seconds; the trainer's steps since
+its last change, alone and beside a lent engine, with the yields' hand-overs: `LendWindow`).
 
 A slot that joins the trainer later (an elastic move) lends no engine: the runtime places its lent
 engines beside the trainer ranks it starts with.
 
-Not modelled: a lent engine's weights arriving late. The runtime's lent engine loads each version on
-its trainer's core beside the next step, and admission counts its starts from the version it has
-confirmed (`WeightPusher.admission_version`); here every engine has the new version at each sync and
-lent groups start on it, so the simulator admits a lagging lent engine's groups more readily and
-tags them one version fresher than the runtime would.
+Not modelled: a lent engine's weights arriving late. The runtime's lent engine loads each version on its trainer's core beside the next step, and admission counts its
+starts from the version it has confirmed (`WeightPusher.admission_version`); here every engine has
+the new version at each sync and lent groups start on it, so the simulator admits a lagging lent
+engine's groups more readily and tags them one version fresher than the runtime would.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any, Protocol
 
 from reflow.metrics import idle_ratio
 from reflow.policy.elastic import ElasticConfig
-from reflow.policy.lending import lent_engine_yields
+from reflow.policy.lending import LendWindow, lent_engine_yields
 from reflow.sim.config import ModeConfig, Scenario
 from reflow.sim.costs import decode_model
 from reflow.sim.engines import Engine, GroupState, Request
@@ -78,7 +80,7 @@ class SimLending:
     def __init__(self, sim: LendingHost, slots: int) -> None:
         s, m = sim.s, sim.m
         self.sim = sim
-        self.overhead = ElasticConfig(**m.elastic_config).lend_overhead  # the policy's assumption
+        self.beside_slowdown = s.sync.lend_beside_slowdown
         self.switch_s = s.sync.lend_switch_s
         self.eta = 1 if m.eta is None else m.eta
         dm = decode_model(s.gpu, s.model, s.decode, colocated=True)
@@ -93,6 +95,8 @@ class SimLending:
         self.stored_at = dict.fromkeys(self.engines, 0.0)  # busy seconds when its last group was stored
         self.marks: list[tuple[float, float]] = []  # (busy, stored) seconds at each version boundary
         self.yields = self.ran_on = self.started = self.stored_groups = 0
+        # the trainer's steps since the policy's last change
+        self.window = LendWindow(ElasticConfig(**m.elastic_config).lend_window_steps)
         self.poked = False
 
     @classmethod
@@ -186,12 +190,14 @@ class SimLending:
 
     # ---- a step starts, the trainer waits again
 
-    def step_starts(self, version: int, seconds: float) -> float:
-        """A step training `version` + 1 starts and would take `seconds`: each lent engine with groups
-        yields, but one whose oldest group started more than eta versions before `version`, which runs
-        on beside the step (and is resumed for it if it was paused). Returns the step's seconds beside
-        its lent engines: slower by 1 - overhead while a slot lends or an engine runs on, plus one
-        hand-over (`sync.lend_switch_s`, the engines offload in parallel) when one yields."""
+    def step_starts(self, version: int, seconds: float, tokens: float, samples: int) -> float:
+        """A step training `version` + 1 on `tokens` and `samples` starts and would take `seconds` (it
+        goes into the policy's window, alone or beside, with its yield's hand-over): each lent engine
+        with groups yields, but one whose oldest group started more than eta versions before
+        `version`, which runs on beside the step (and is resumed for it if it was paused). Returns the
+        step's seconds beside its lent engines: slower by 1 - `sync.lend_beside_slowdown` when an
+        engine runs on, plus one hand-over (`sync.lend_switch_s`, the engines offload in parallel)
+        when one yields."""
         oldest: dict[Engine, int] = {}
         for g in self.groups.values():
             assert g.lent is not None
@@ -222,9 +228,11 @@ class SimLending:
         self.yields += bool(yielding)
         self.ran_on += len(running_on)
         self.resume([e for e in running_on if e in self.yielded])
-        if self.lent_slots() or running_on:
-            seconds /= 1.0 - self.overhead
-        return seconds + (self.switch_s if yielding else 0.0)
+        if running_on:
+            seconds /= 1.0 - self.beside_slowdown
+        switch = self.switch_s if yielding else 0.0
+        self.window.add(seconds, tokens, samples, beside=bool(running_on), yield_s=switch)
+        return seconds + switch
 
     def resume(self, engines: list[Engine]) -> None:
         """Paused episodes continue on the engine's weights of now (per-token versions), after the

@@ -26,8 +26,9 @@ ETAS = (1, 2)
 REUSE = (1, 2)
 """Reuse caps K (CycleConfig.max_reuse) tried for reflow; K = 1 trains every sample once."""
 LEND = (False, True)
-"""Lending tried off and on (static: every train slot lends, at the scenario's or the policy's
-default `lend_overhead`; the elastic policy, which would reclaim where it does not pay, is off)."""
+"""Lending tried off and on (static: every train slot lends, at the scenario's
+`sync.lend_beside_slowdown` and `sync.lend_switch_s`; the elastic policy, which would reclaim where it
+does not pay, is off)."""
 
 
 @dataclass
@@ -80,8 +81,11 @@ def plan(
     for r in rollout_gpu_choices(s, splits):
         for eta in etas:
             for lends in lend:
-                # lending's knobs (lend_overhead) as the scenario gives them, else the policy's defaults
+                # lending's policy knobs as the scenario gives them, else the policy's defaults; every
+                # row keeps the scenario's groups per engine (dropped, a rollout engine took all of
+                # admission's room and a lending row's lent engines none)
                 lending = {"elastic_config": {**s.mode.elastic_config, "lend": True}} if lends else {}
+                lending["groups_per_engine"] = s.mode.groups_per_engine
                 mode = ModeConfig(mode="async", rollout_gpus=r, eta=eta, **lending)
                 rows.append(PlanRow("async", r, s.gpus - r, eta, None, simulate(s, mode), lends))
                 for k in reuse:

@@ -28,6 +28,7 @@ from reflow.policy.elastic import (
     decision_event,
     observe,
 )
+from reflow.policy.lending import LendWindow
 from reflow.policy.tail import EngineState, InFlightEpisode, TailConfig, TailObservation, TailPolicy
 from reflow.policy.tail import observe as observe_tail
 from reflow.policy.tail_actions import FreeSlot, Migrate, SetConcurrency
@@ -98,6 +99,8 @@ class ElasticSlots:
     """Train slots lending their engine now (l)."""
     lendable_slots: int = 0
     """Train slots holding an engine to lend (0: lending off)."""
+    lend_window: LendWindow | None = None
+    """The trainer's steps since the last change, alone and beside a lent engine (lending on)."""
 
 
 class BoundaryView(Protocol):
@@ -142,6 +145,7 @@ def elastic_inputs(sim: BoundaryView) -> tuple[ElasticCounters, ElasticSlots]:
     )
     if sim.lending is not None:
         slots.lent_slots, slots.lendable_slots = sim.lending.lent_slots(), sim.lending.lendable()
+        slots.lend_window = sim.lending.window
     return counters, slots
 
 
@@ -185,9 +189,12 @@ class ElasticStep:
             to_train_cost=self.cost_to_train,
             lent_slots=slots.lent_slots,
             lendable_slots=slots.lendable_slots,
+            lend_window=slots.lend_window,
         )
         decision = self.policy.decide(obs)
         event = {"kind": "elastic", "t": counters.now, **decision_event(decision, obs)}
+        if decision.moves and slots.lend_window is not None:  # a change: measured afresh from here
+            slots.lend_window.reset()
         if decision.action in ("lend", "reclaim"):
             self.changed_at = slots.step  # the next change waits its dwell, as in the runtime
             return {**event, **actuator.lend(decision)}

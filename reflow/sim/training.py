@@ -179,7 +179,11 @@ class SimTrainer:
             fixed_share=1 / self.trigger,
         )
         if sim.lending is not None:  # lent engines yield (or run on past eta) beside a slower trainer
-            dt = sim.lending.step_starts(self.version, dt)
+            # the window counts a step's sampled tokens, as the runtime's does
+            sampled = sum(g.meta["generated"] for g in plan.groups)
+            dt = sim.lending.step_starts(
+                self.version, dt, sampled, plan.size * self.s.batch.samples_per_group
+            )
         if self.wait_since is not None:
             self.version_wait += sim.now - self.wait_since
             self.wait_since = None
