@@ -117,6 +117,7 @@ class ScriptedElastic:
     def __init__(self, cfg: object = None) -> None:
         self.cfg = cfg
         self.last_move_version = None  # what a checkpoint saves of the policy
+        self.lend_slowdown = None
 
     def decide(self, obs):
         from reflow.policy.elastic import ElasticDecision
