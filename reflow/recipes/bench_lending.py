@@ -21,8 +21,7 @@ as a run's loop gives it (`rollout.max_batch_size // rollout.group_size`); every
 batch of stored groups, so the work per step is the same. Each round gives one ratio per condition to `alone`
 (mean step seconds); the report is their geometric mean with its 95% interval over the rounds, and
 the overhead o = 1 - t_alone / t_condition (the figures behind `elastic.lend_overhead`'s prior and the
-simulator's `sync.lend_beside_slowdown`). Nothing here is
-trained for keeps: the run folder is scratch.
+simulator's `sync.lend_beside_slowdown`). Nothing here is trained for keeps: the run folder is scratch.
 """
 
 from __future__ import annotations

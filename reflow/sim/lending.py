@@ -14,16 +14,17 @@ step instead: `lent_engine_yields`); the trainer's slowdown in a step a lent eng
 (its rate times 1 - `sync.lend_beside_slowdown`; a step its engines yield to runs at the trainer's
 own rate, as `reflow bench lending` measured on CPU: 1.5% slower, against 35% beside); the assumed
 cost of handing a GPU over (`sync.lend_switch_s`, each way); and the counters a run reports (busy and
-stored seconds, yields, run-ons, groups) and the policy observes (busy seconds; the trainer's steps since
-its last change, alone and beside a lent engine, with the yields' hand-overs: `LendWindow`).
+stored seconds, yields, run-ons, groups) and the policy observes (busy seconds; the trainer's steps
+since its last change, alone and beside a lent engine, with the yields' hand-overs: `LendWindow`).
 
 A slot that joins the trainer later (an elastic move) lends no engine: the runtime places its lent
 engines beside the trainer ranks it starts with.
 
-Not modelled: a lent engine's weights arriving late. The runtime's lent engine loads each version on its trainer's core beside the next step, and admission counts its
-starts from the version it has confirmed (`WeightPusher.admission_version`); here every engine has
-the new version at each sync and lent groups start on it, so the simulator admits a lagging lent
-engine's groups more readily and tags them one version fresher than the runtime would.
+Not modelled: a lent engine's weights arriving late. The runtime's lent engine loads each version on
+its trainer's core beside the next step, and admission counts its starts from the version it has
+confirmed (`WeightPusher.admission_version`); here every engine has the new version at each sync and
+lent groups start on it, so the simulator admits a lagging lent engine's groups more readily and
+tags them one version fresher than the runtime would.
 """
 
 from __future__ import annotations
