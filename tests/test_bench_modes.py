@@ -220,6 +220,7 @@ def test_ablation_rows_run_reflow_with_parts_off_and_show_role_changes_and_tail_
             lent_busy_s=lent_s,
             lent_stored_s=lent_s / 2,
             lent_yields=int(lent_s),
+            lent_handed_over=3 if lent_s else 0,
             train_slot_idle_ratio=0.25 if lent_s else run["summary"]["trainer_idle_ratio"],
         )
         return run
@@ -234,23 +235,23 @@ def test_ablation_rows_run_reflow_with_parts_off_and_show_role_changes_and_tail_
     ]
     md = table(results, {"target": 0.2}, budget_minutes=1)
     header, cells = _rows(md, "| mode | seeds |")
-    assert header[-8:] == [
+    assert header[-9:] == [
         "role changes", "role change s", "over-provisioned", "carried over", "migrations", "lent s",
-        "lent stored s", "lent yields",
+        "lent stored s", "lent yields", "lent handed over",
     ]  # fmt: skip
     slot_idle = header.index("train slot idle")
     assert header[slot_idle - 1] == "trainer idle"
     assert list(cells) == ["sync", "reflow", "reflow-static", "reflow-no-tail", "reflow-lend"]  # table order
-    assert all(len(c) == len(header) == 29 for c in cells.values())  # mode, seeds, time and reached, 25 more
+    assert all(len(c) == len(header) == 30 for c in cells.values())  # mode, seeds, time and reached, 26 more
     # two seeds: mean ± t(1) s / sqrt(2), with s = 1.41 for 2 and 4: 12.706
-    assert cells["reflow"][-8:-3] == ["3 ± 12.7", "4 ± 12.7", "5 ± 12.7", "12 ± 25.4", "0 ± 0"]
-    assert cells["reflow-no-tail"][-8:] == ["1", "2.5", "0", "0", "0", "0", "0", "0"]  # one seed: no interval
-    assert cells["reflow-lend"][-3:] == ["12.5", "6.25", "12"]
+    assert cells["reflow"][-9:-4] == ["3 ± 12.7", "4 ± 12.7", "5 ± 12.7", "12 ± 25.4", "0 ± 0"]
+    assert cells["reflow-no-tail"][-9:] == ["1", "2.5", "0", "0", "0", "0", "0", "0", "0"]  # one seed
+    assert cells["reflow-lend"][-4:] == ["12.5", "6.25", "12", "3"]
     # the train slot's idle share counts the lent engine's stored generation; a run from before it
     # shows its trainer's idle share
     assert cells["reflow-lend"][slot_idle] == "0.25"
     assert cells["sync"][slot_idle] == cells["sync"][slot_idle - 1]
-    assert cells["sync"][-8:] == ["0"] * 8
+    assert cells["sync"][-9:] == ["0"] * 9
     assert plot(results, tmp_path, {"target": 0.2}).stat().st_size > 1000
 
 

@@ -448,3 +448,28 @@ def test_an_abandoned_group_stored_before_the_kill_arrives_after_all(tmp_path, r
     ray.get(replay.add_group.remote(*make_group("late", [0.0, 1.0])))
     late, gone = stored_after_all(replay, ["late", "never"])
     assert [r.group_id for r in late] == ["late"] and late[0].has_spread and gone == ["never"]
+
+
+def test_a_move_to_training_drains_the_worker_with_the_least_work_counting_what_it_runs_for_lent_engines():
+    """Worker 1 has no group of its own but runs 5 episodes a lent engine handed over (2 groups of 4):
+    worker 0 with one group drains instead (the served episodes would fall back and re-prefill)."""
+    from types import SimpleNamespace
+
+    from reflow.runtime.actuator import RayActuator
+
+    moved = []
+    cluster = SimpleNamespace(
+        rollout=["r0", "r1"],
+        rollout_slots=[SimpleNamespace(index=0), SimpleNamespace(index=1)],
+        move=lambda slot, role, drain, timeout: (
+            moved.append((slot, role, drain)) or SimpleNamespace(cost=None)
+        ),
+    )
+    actuator = RayActuator(cluster)
+    actuator.in_flight = {"ref-a": (0, ["g-a"])}
+    decision = SimpleNamespace(action="to_train")  # all `move_slot` reads of an `ElasticDecision`
+    actuator.move_slot(decision)
+    assert moved[-1][0] == 1  # without lending: the idle worker 1
+    actuator.lent = SimpleNamespace(group_size=4, served_loads=lambda slots: [0, 5][: len(slots)])
+    actuator.move_slot(decision)
+    assert moved[-1] == (0, "train", {"ref-a": ["g-a"]})

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sqlite3
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -36,10 +37,12 @@ async def _steps(worker) -> int:
     return (await worker.engine.health())["steps"]
 
 
-async def test_a_lent_worker_stops_decoding_within_one_step_and_its_episodes_resume_on_new_weights(tmp_path):
+def _worker_setup(tmp_path):
+    """A reflow config on the parity env (groups of 4, long answers) and a one-layer tiny model."""
+    import sys
+
     from reflow.config import load_config
     from reflow.models import build_tiny
-    from reflow.runtime.workers import RolloutWorker
 
     model_dir = str(build_tiny(tmp_path / "m", num_hidden_layers=1, hidden_size=32, intermediate_size=64))
     config = load_config(
@@ -54,9 +57,14 @@ async def test_a_lent_worker_stops_decoding_within_one_step_and_its_episodes_res
             "rollout.temperature=1.0",
         ],
     )
-    import sys
-
     sys.path.insert(0, str(TESTS))  # the parity env's plugin module
+    return config, model_dir
+
+
+async def test_a_lent_worker_stops_decoding_within_one_step_and_its_episodes_resume_on_new_weights(tmp_path):
+    from reflow.runtime.workers import RolloutWorker
+
+    config, model_dir = _worker_setup(tmp_path)
     store = _Store()
     worker = RolloutWorker(config, model_dir, replay=store, index=3)
     try:
@@ -88,6 +96,51 @@ async def test_a_lent_worker_stops_decoding_within_one_step_and_its_episodes_res
     for r in spanning:
         versions = [v for turn in r.turns for v in turn.token_versions]
         assert versions == sorted(versions) and set(versions) == {0, 1}
+
+
+async def test_a_lent_worker_hands_its_episodes_to_a_rollout_engine_with_room_instead_of_pausing(tmp_path):
+    """At a step's start a lent engine yields; what a rollout engine has room for moves there and goes
+    on generating through the step (the lent engine decodes nothing more), so a paused lent group does
+    not hold admission's room idle. Its group is whole, its tokens carry both engines' versions."""
+    from migration_helpers import _Method
+
+    from reflow.runtime.workers import RolloutWorker
+
+    config, model_dir = _worker_setup(tmp_path)
+    store = _Store()
+    lent = RolloutWorker(config, model_dir, replay=store, index=3)
+    rollout = RolloutWorker(config, model_dir, replay=_Store(), index=0)
+    handle = SimpleNamespace(
+        engine_generate=_Method(rollout.engine_generate), engine_abort=_Method(rollout.engine_abort)
+    )
+    try:
+        # the rollout engine has the newer weights (same values, version 1): tokens tell the engines apart
+        assert await rollout.update_weights(rollout.engine.model.state_dict(), 1) == 1
+        group = asyncio.ensure_future(lent.generate([7]))
+        for _ in range(500):  # until the lent engine has decoded a few steps of the group
+            if await _steps(lent) >= 5:
+                break
+            await asyncio.sleep(0.01)
+        out = await lent.yield_episodes(handle, "w0", 3)  # room for three on the rollout engine
+        (gid,) = out["moved"]
+        assert (out["moved"], out["home"], out["paused"]) == ({gid: 3}, {gid: 1}, 1)
+        at_yield, rollout_at_yield = await _steps(lent), await _steps(rollout)
+        await asyncio.sleep(0.5)  # the trainer's step: the lent engine must not decode meanwhile
+        assert await _steps(lent) - at_yield <= 1, "the lent engine went on decoding after yielding"
+        assert await _steps(rollout) > rollout_at_yield, "the handed-over episodes did not go on"
+        assert not group.done()  # one episode waits paused
+        await lent.resume_episodes()
+        report = (await asyncio.wait_for(group, 120))[0]
+    finally:
+        await lent.close()
+        await rollout.close()
+    assert len(report.rewards) == 4 and len(store.groups) == 1 and len(store.groups[0]) == 4
+    records = store.groups[0]
+    assert all(r.status != "infra_error" for r in records)
+    versions = [sorted({v for turn in r.turns for v in turn.token_versions}) for r in records]
+    # three episodes finished on the rollout engine (version 1) after starting on the lent one (they
+    # had generated tokens there: the engine had decoded 5 steps of the group)
+    assert sum(v == [0, 1] for v in versions) >= 3, versions
 
 
 @pytest.mark.slow
@@ -133,9 +186,16 @@ def test_a_reflow_run_with_lending_trains_the_lent_engines_groups_and_loses_none
         by_group.setdefault(r.group_id, []).append(r)
     assert all(len(eps) == 4 for eps in by_group.values())
     assert all(r.status != "infra_error" for r in records)
-    # a lent group paused through a step resumed on the newer weights: per-token versions
+    # at a step start a lent group went on: paused and resumed on the newer weights (per-token
+    # versions), or handed over to the rollout engine where it had room (which of the two depends on
+    # the rollout engine's load at the yield: the run saw both); every hand-over is logged and counted
     lent_records = [r for r in records if r.group_id in lent_groups]
-    assert any(r.policy_version_start < r.policy_version_end for r in lent_records)
+    handed = [r for r in rows if r["kind"] == "elastic" and r["what"] == "lent_hand_over"]
+    assert summary["lent_handed_over"] == sum(e["episodes"] for e in handed)
+    assert handed or any(r.policy_version_start < r.policy_version_end for r in lent_records)
+    # a hand-over falls back home only when its target left (a role change), never by a failure here
+    outcomes = {r["outcome"] for r in rows if r.get("what") == "lent_migration_measured"}
+    assert outcomes <= {"ok", "ended", "superseded"} or summary["role_changes"] > 0, outcomes
     # the engine versions never go backwards (a lent group's staleness bound is
     # test_a_lent_engine_kept_paused_by_back_to_back_steps_runs_on_once_its_group_passes_the_bound's)
     versions = [s["engine_version"] for s in steps]
@@ -158,6 +218,29 @@ class _Recorder:
     def update_weights(self, state_dict, version: int) -> int:
         self.calls.append(f"weights v{version}")
         return version
+
+    def yield_episodes(self, target=None, target_name: str = "", n: int = 0, version=None) -> dict:
+        """A worker whose engine runs only group "g" (4 episodes): hands `n` of them over (once), the
+        rest pause; reports what runs where, as `RolloutWorker.yield_episodes`."""
+        self.calls.append(f"hand {n} to {target_name} ({target})" if n else "pause")
+        self.moved = getattr(self, "moved", 0) + min(n, 4 - getattr(self, "moved", 0))
+        self.where = target_name or getattr(self, "where", "w0")
+        home = 4 - self.moved
+        return {"moved": {"g": min(n, 4)} if n else {}, "paused": int(home > 0), **self.lent_report()}
+
+    def lent_report(self) -> dict:
+        moved, over = getattr(self, "moved", 0), getattr(self, "over", 0)  # over: ended on the target
+        home = 4 - moved
+        away = {"g": {self.where: moved - over}} if moved - over else {}
+        return {"home": {"g": home} if home else {}, "away": away, "migrations": []}
+
+    def finish_on_target(self, k: int) -> None:
+        """`k` of the handed-over episodes ended there."""
+        self.over = getattr(self, "over", 0) + k
+
+    def fall_back(self) -> None:
+        """The handed-over episodes still running fell back home (their target went)."""
+        self.moved = self.over = 0
 
     def log(self) -> list[str]:
         return self.calls
@@ -184,7 +267,7 @@ def test_a_lent_engine_kept_paused_by_back_to_back_steps_runs_on_once_its_group_
 
     ray = local_ray
     actor = ray.remote(_Recorder).options(num_cpus=0).remote()
-    lent = LentEngines(SimpleNamespace(lent=[actor]), per_engine=2, eta=1)
+    lent = LentEngines(SimpleNamespace(lent=[actor], rollout=[], rollout_slots=[]), per_engine=2, eta=1)
     lent.started("group-a", 0, version=4)
     assert lent.pause(4) == [] and lent.paused == {0}  # step 5 starts: the engine yields
     assert not lent.beside_step
@@ -205,7 +288,7 @@ def test_lent_time_after_an_engines_last_stored_group_counts_as_idle(monkeypatch
 
     now = [100.0]
     monkeypatch.setattr(lending.time, "monotonic", lambda: now[0])
-    state = SimpleNamespace(lent_busy_s=5.0, lent_stored_s=4.0, lent_yields=0)
+    state = SimpleNamespace(lent_busy_s=5.0, lent_stored_s=4.0, lent_yields=0, lent_handed_over=0)
     lent = lending.LentEngines(SimpleNamespace(lent=[object(), object()]), per_engine=2, eta=1, state=state)
     lent.started("a", 0, version=0)
     lent.started("b", 1, version=0)
@@ -230,7 +313,9 @@ def test_a_lent_engine_running_on_beside_a_step_adds_no_stored_time_the_step_hol
     now = [100.0]
     monkeypatch.setattr(lending.time, "monotonic", lambda: now[0])
     actor = ray.remote(_Recorder).options(num_cpus=0).remote()
-    lent = lending.LentEngines(SimpleNamespace(lent=[actor]), per_engine=2, eta=0)
+    lent = lending.LentEngines(
+        SimpleNamespace(lent=[actor], rollout=[], rollout_slots=[]), per_engine=2, eta=0
+    )
     lent.started("a", 0, version=3)
     now[0] = 104.0  # 4 s while the trainer waits
     assert [e["what"] for e in lent.pause(4)] == ["lent_runs_on"]  # past eta: it runs on
@@ -302,3 +387,218 @@ def test_the_elastic_driver_keeps_the_policys_lend_window_from_the_loops_steps()
         driver.runtime = SimpleNamespace(at_boundary=boundary(what))
         driver.at_boundary(state, 10.0, 0.0, replay_share=0.0, fresh_waiting=0, in_flight={})
         assert got[-1] is w and w.alone_s == kept
+
+
+def test_a_lent_engine_whose_group_went_to_a_rollout_engine_counts_it_there_and_not_as_its_own(
+    local_ray, monkeypatch
+):
+    """A yield that hands a whole group over: the rollout engine's load counts its 4 episodes until the
+    group is done (the next yield and the tail gate see the room taken); the lent engine's busy clock
+    stays stopped at the resume (the train slot's idle share must not count the rollout engine's work);
+    at the next step start the group, past eta, makes no run-on (none of it is on the lent engine),
+    and the engine is paused all the same (an episode that fell back home would wait)."""
+    import reflow.runtime.lending as lending
+
+    ray = local_ray
+    now = [100.0]
+    monkeypatch.setattr(lending.time, "monotonic", lambda: now[0])
+    actor = ray.remote(_Recorder).options(num_cpus=0).remote()
+    cluster = SimpleNamespace(lent=[actor], rollout=["rollout-0"], rollout_slots=[SimpleNamespace(index=5)])
+    lent = lending.LentEngines(cluster, per_engine=2, eta=0, group_size=4)
+    lent.started("ref-g", 0, version=3, group_id="g")
+    now[0] = 104.0  # 4 s generating while the trainer waited
+    events = lent.pause(3, free=[64])  # the rollout engine has room for all 4 episodes
+    assert [e["what"] for e in events] == ["lent_hand_over"] and lent.handed_over == 4
+    assert ray.get(actor.log.remote()) == ["hand 4 to w5 (rollout-0)"]
+    assert lent.served_loads([5]) == [4] and lent.served_loads([7]) == [0]
+    now[0] = 110.0
+    lent.resume()
+    now[0] = 120.0
+    assert lent.busy_s() == pytest.approx(4.0)
+    assert lent.pause(5, free=[60]) == [] and not lent.beside_step and lent.ran_on == 0
+    assert ray.get(actor.log.remote())[-2:] == ["resume", "pause"]
+    assert lent.done("ref-g") and lent.served_loads([5]) == [0] and lent.away == set()
+
+
+def test_a_lent_engine_still_paused_at_the_next_step_hands_over_once_a_rollout_engine_has_room(local_ray):
+    """Back-to-back steps (the trainer never waits): the lent engine paused at the first step start,
+    when the rollout engine had no room, is not resumed; at the next start the rollout engine has room
+    and the paused group is handed over there (the engine is not paused again)."""
+    from reflow.runtime.lending import LentEngines
+
+    ray = local_ray
+    actor = ray.remote(_Recorder).options(num_cpus=0).remote()
+    cluster = SimpleNamespace(lent=[actor], rollout=["rollout-0"], rollout_slots=[SimpleNamespace(index=0)])
+    lent = LentEngines(cluster, per_engine=2, eta=3, group_size=4)
+    lent.started("ref-g", 0, version=3, group_id="g")
+    assert lent.pause(3, free=[0]) == [] and lent.paused == {0}  # no room: it pauses
+    events = lent.pause(4, free=[8])  # still paused; now room for its 4 episodes
+    assert [e["what"] for e in events] == ["lent_hand_over"] and lent.pauses == 1
+    assert ray.get(actor.log.remote()) == ["pause", "hand 4 to w0 (rollout-0)"]
+    assert lent.pause(5, free=[8]) == []  # nothing left on it: no call at all
+    assert ray.get(actor.log.remote()) == ["pause", "hand 4 to w0 (rollout-0)"]
+
+
+def test_a_lent_engine_hands_over_only_to_a_rollout_engine_whose_weights_are_no_older(local_ray):
+    """The rollout engine still loads version 3 while the lent engine has 4: the group pauses (its
+    tokens would go back a version there, past what admission counted); once the rollout engine
+    confirms 4 the paused group goes there at the next step start."""
+    from reflow.runtime.lending import LentEngines
+
+    ray = local_ray
+    actor = ray.remote(_Recorder).options(num_cpus=0).remote()
+    cluster = SimpleNamespace(lent=[actor], rollout=["rollout-0"], rollout_slots=[SimpleNamespace(index=0)])
+    lent = LentEngines(cluster, per_engine=2, eta=3, group_size=4)
+    lent.started("ref-g", 0, version=4, group_id="g")
+    # confirmed versions in Cluster.engines' order: the rollout worker, then the lent engine
+    assert lent.pause(4, free=[8], confirmed=[3, 4]) == [] and lent.paused == {0}
+    assert ray.get(actor.log.remote()) == ["pause"] and lent.handed_over == 0
+    events = lent.pause(5, free=[8], confirmed=[4, 4])
+    assert [e["what"] for e in events] == ["lent_hand_over"] and lent.handed_over == 4
+    assert ray.get(actor.log.remote()) == ["pause", "hand 4 to w0 (rollout-0)"]
+
+
+def test_a_refresh_drops_served_episodes_that_ended_and_counts_a_fallback_home_on_its_engine(
+    local_ray, monkeypatch
+):
+    """Between yields the served loads follow the lent engine's reports (at most every `refresh_s`):
+    handed-over episodes that ended free their rollout engine's room; episodes that fell back home
+    (their target left) count on the lent engine again: its busy clock runs (it is not paused) and,
+    past eta at the next step start, it runs on."""
+    import reflow.runtime.lending as lending
+
+    ray = local_ray
+    now = [100.0]
+    monkeypatch.setattr(lending.time, "monotonic", lambda: now[0])
+    actor = ray.remote(_Recorder).options(num_cpus=0).remote()
+    cluster = SimpleNamespace(lent=[actor], rollout=["rollout-0"], rollout_slots=[SimpleNamespace(index=0)])
+    lent = lending.LentEngines(cluster, per_engine=2, eta=1, group_size=4, refresh_s=1.0)
+    lent.started("ref-g", 0, version=3, group_id="g")
+    assert [e["what"] for e in lent.pause(3, free=[8])] == ["lent_hand_over"]
+    lent.resume()  # the trainer waits again; nothing of the group is on the lent engine
+    assert lent.served_loads([0]) == [4] and lent.loads() == [0] and not lent._busy.running(0)
+    ray.get(actor.finish_on_target.remote(3))
+    now[0] = 100.5
+    assert lent.refresh() == [] and lent.served_loads([0]) == [4]  # too soon: no call
+    now[0] = 101.0
+    lent.refresh()
+    assert lent.served_loads([0]) == [1]
+    ray.get(actor.fall_back.remote())  # the target left: the group's episodes are home again
+    now[0] = 102.0
+    lent.refresh()
+    assert lent.served_loads([0]) == [0] and lent.away == set() and lent.loads() == [1]
+    assert lent._busy.running(0)  # it generates them (not paused)
+    now[0] = 104.0
+    assert lent.busy_s() == pytest.approx(2.0)
+    events = lent.pause(5)  # started on 3, eta 1: past the bound at step 6, it runs on
+    assert [e["what"] for e in events] == ["lent_runs_on"]
+
+
+def test_a_lent_group_not_reported_yet_counts_whole_at_home_and_one_reported_done_counts_away(local_ray):
+    """A group launched just before a yield has no episode open yet: it stays whole in the plan's
+    demand (a paused engine hands it over at the next start); a group reported before and absent now
+    (its episodes all ended, its report not in yet) holds no room on its engine."""
+    from reflow.runtime.lending import LentEngines
+
+    cluster = SimpleNamespace(lent=[None], rollout=[], rollout_slots=[])
+    lent = LentEngines(cluster, per_engine=2, eta=1, group_size=4)
+    lent.started("ref-new", 0, version=3, group_id="new")
+    lent.started("ref-old", 0, version=3, group_id="old")
+    lent._book(0, {"home": {"old": 2}, "away": {}}, {})
+    assert lent._at_home(0) == 4 + 2 and lent.loads() == [2]
+    lent._book(0, {"home": {}, "away": {}}, {})  # old's episodes ended; new still not open
+    assert lent._at_home(0) == 4 and lent.away == {"ref-old"} and lent.loads() == [1]
+
+
+class _Reports:
+    """A lent worker whose reports the test sets (`RolloutWorker.lent_report`'s shape); counts them."""
+
+    def __init__(self) -> None:
+        self.report: dict = {"home": {}, "away": {}, "migrations": []}
+        self.asked = 0
+
+    def set(self, report: dict) -> None:
+        self.report = {"home": {}, "away": {}, "migrations": [], **report}
+
+    def lent_report(self) -> dict:
+        self.asked += 1
+        if getattr(self, "slow", False):
+            time.sleep(2)  # longer than the timeout the test sets
+        out, self.report = self.report, {**self.report, "migrations": []}  # drained once reported
+        return out
+
+    def yield_episodes(self, *target) -> dict:
+        return {"moved": {}, "paused": 0, **self.lent_report()}
+
+    def resume_episodes(self) -> None:
+        pass
+
+    def count(self) -> int:
+        return self.asked
+
+    def slow_report(self) -> None:
+        self.slow = True
+
+
+def _reporting(ray, **kw):
+    from reflow.runtime.lending import LentEngines
+
+    actor = ray.remote(_Reports).options(num_cpus=0).remote()
+    cluster = SimpleNamespace(lent=[actor], rollout=["rollout-0"], rollout_slots=[SimpleNamespace(index=0)])
+    return actor, LentEngines(cluster, per_engine=2, group_size=4, **kw)
+
+
+def test_an_engine_running_on_whose_group_falls_back_home_counts_its_seconds_beside_the_step(local_ray):
+    """Group a went to a rollout engine at an earlier yield; group r, at home, takes its engine past
+    the bound: it runs on. r ends (the clocks stop); an episode of a falls back home during the same
+    step: the busy clock runs again and so does the beside-the-step clock (those seconds are the
+    step's too, not the lent engine's stored generation)."""
+    ray = local_ray
+    actor, lent = _reporting(ray, eta=0)
+    lent.started("ref-a", 0, version=0, group_id="a")
+    lent.started("ref-r", 0, version=0, group_id="r")
+    ray.get(actor.set.remote({"home": {"r": 4}, "away": {"a": {"w0": 4}}}))
+    lent.refresh(force=True, ask={0})
+    assert lent.away == {"ref-a"} and lent.served_loads([0]) == [4]
+    assert [e["what"] for e in lent.pause(1)] == ["lent_runs_on"]  # its report was asked first
+    assert ray.get(actor.count.remote()) == 2 and lent._beside.running(0)
+    ray.get(actor.set.remote({"away": {"a": {"w0": 4}}}))  # r's episodes ended
+    lent.refresh(force=True)
+    assert not lent._busy.running(0) and not lent._beside.running(0)
+    ray.get(actor.set.remote({"home": {"a": 1}, "away": {"a": {"w0": 3}}}))  # a's target left
+    lent.refresh(force=True)
+    assert lent._busy.running(0) and lent._beside.running(0)
+    lent.step_done()
+    assert not lent._beside.running(0)
+
+
+def test_an_engine_is_asked_for_its_hand_overs_measurements_after_its_group_is_done(local_ray):
+    """The group's last handed-over episodes end and its result reaches the loop before the lent
+    worker's next report: that report (their migrations' outcomes) is still asked for, once."""
+    ray = local_ray
+    actor, lent = _reporting(ray, eta=3)
+    lent.started("r", 0, version=0, group_id="g")
+    ray.get(actor.set.remote({"away": {"g": {"w0": 4}}}))
+    lent.refresh(force=True, ask={0})  # as a yield's report: the group went to the rollout engine
+    assert lent.wake_s() == lent.refresh_s  # the loop wakes to refresh
+    assert lent.done("r")
+    ray.get(actor.set.remote({"migrations": [{"episode": "e1", "outcome": "ended"}]}))
+    events = lent.refresh(force=True)
+    assert [(e["what"], e["outcome"]) for e in events] == [("lent_migration_measured", "ended")]
+    asked = ray.get(actor.count.remote())
+    assert lent.refresh(force=True) == [] and ray.get(actor.count.remote()) == asked  # nothing to ask
+    assert lent.wake_s() is None
+
+
+def test_a_lent_engine_that_does_not_report_in_time_keeps_its_books(local_ray, monkeypatch):
+    import reflow.runtime.lending as lending
+
+    monkeypatch.setattr(lending, "REPORT_TIMEOUT_S", 0.2)
+    ray = local_ray
+    actor, lent = _reporting(ray, eta=3)
+    lent.started("r", 0, version=0, group_id="g")
+    ray.get(actor.set.remote({"away": {"g": {"w0": 4}}}))
+    lent.refresh(force=True, ask={0})  # as a yield's report: the group went to the rollout engine
+    ray.get(actor.slow_report.remote())
+    ray.get(actor.set.remote({"home": {"g": 4}}))
+    assert lent.refresh(force=True) == [] and lent.served_loads([0]) == [4]  # the old books

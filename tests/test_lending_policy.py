@@ -15,6 +15,7 @@ from reflow.policy.elastic import (
 )
 from reflow.policy.lending import (
     LendWindow,
+    hand_over_plan,
     lending_cost,
     lent_engine_yields,
     lent_throughput,
@@ -258,3 +259,25 @@ def test_a_lent_engine_yields_unless_its_oldest_group_is_past_the_staleness_boun
     assert lent_engine_yields(9, 9, eta=1) and lent_engine_yields(8, 9, eta=1)
     assert not lent_engine_yields(7, 9, eta=1)  # 2 versions old with eta 1: runs beside the step
     assert lent_engine_yields(5, 5, eta=0) and not lent_engine_yields(4, 5, eta=0)
+
+
+def test_yielding_lent_engines_hand_over_what_the_rollout_engines_have_room_for():
+    # one lent engine of 32 episodes, one rollout engine with 20 free sequences: 20 move, 12 pause
+    assert hand_over_plan([32], [20]) == [(0, 20)]
+    assert hand_over_plan([8], [20]) == [(0, 8)]  # all of them
+    assert hand_over_plan([8], [0]) == [(-1, 0)] and hand_over_plan([8], []) == [(-1, 0)]
+    assert hand_over_plan([8], [-3]) == [(-1, 0)]  # a load past its limit: no room
+    # two lent engines, two rollout engines: the engine with the most episodes first, each to the
+    # rollout engine with the most room, none split over two
+    assert hand_over_plan([16, 16], [10, 12]) == [(1, 12), (0, 10)]
+    assert hand_over_plan([4, 16], [10, 12]) == [(0, 4), (1, 12)]  # 16 of 20 fit (in order: 14)
+    assert hand_over_plan([0, 4], [10]) == [(-1, 0), (0, 4)]
+
+
+def test_a_hand_over_goes_only_to_rollout_engines_with_weights_no_older_than_the_lent_engines():
+    # the lent engine holds version 5; rollout engine 0 (most room) still 4, engine 1 has 5
+    assert hand_over_plan([8], [20, 6], versions=[5], target_versions=[4, 5]) == [(1, 6)]
+    assert hand_over_plan([8], [20], versions=[5], target_versions=[4]) == [(-1, 0)]  # none: it pauses
+    assert hand_over_plan([8], [20], versions=[5], target_versions=[6]) == [(0, 8)]  # newer is fine
+    # per lent engine: one at version 3 may go to the older target, one at 5 may not
+    assert hand_over_plan([4, 4], [10], versions=[3, 5], target_versions=[4]) == [(0, 4), (-1, 0)]

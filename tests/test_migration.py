@@ -348,3 +348,113 @@ async def test_a_sampled_migrated_episode_keeps_log_probs_that_re_score(tmp_path
         rescored, _ = token_logprobs(twin, ids, torch.ones_like(ids), entropy="none")
     mask = torch.tensor(seg.loss_mask, dtype=torch.bool)
     assert torch.allclose(rescored[0][mask], torch.tensor(seg.logprobs)[mask], atol=1e-4)
+
+
+def _started_at_token(engine, n: int) -> asyncio.Event:
+    """Set once `engine` (a `CountingEngine`) has decoded `n` tokens of a request; each token is
+    slowed a little so a test can act while the request is in flight."""
+    started = asyncio.Event()
+
+    async def at_token(i: int, rid: str) -> None:
+        if i == n:
+            started.set()
+        await asyncio.sleep(0.001)
+
+    engine.on_token = at_token
+    return started
+
+
+async def test_a_handed_over_episode_goes_on_on_the_target_through_its_workers_pause():
+    """A lent engine's yield with room on a rollout engine (`Routes.hand_over`): the moved episode
+    generates on the target while the worker is paused, the other one waits for the resume; back home
+    (a migration), it waits for this worker's resumes again."""
+    home, target = CountingEngine(version=3), CountingEngine(version=4)
+    routes = _routes(home)
+    moved, stays = routes.open("a", "g"), routes.open("b", "g")
+    started = _started_at_token(home, 2)
+    params = SamplingParams(max_new_tokens=40)
+    calls = [asyncio.ensure_future(r.generate(PROMPT, params, r.episode)) for r in (moved, stays)]
+    await started.wait()
+    assert await routes.hand_over(FakeHandle(target), "w1", 1) == {"g": 1}
+    assert await routes.pause() == 1  # only the episode left at home pauses
+    out = await asyncio.wait_for(calls[0], 5)  # finished on the target while the worker was paused
+    assert out.output_ids == expected_ids(40, PROMPT) and set(out.meta["token_versions"]) == {3, 4}
+    assert not calls[1].done() and routes.at_home() == {"g": 1}
+    routes.resume()
+    rest = await asyncio.wait_for(calls[1], 5)
+    assert rest.output_ids == expected_ids(40, PROMPT)
+    # back home by a migration: it waits for this worker's pauses again
+    assert (await routes.migrate("a", None, "w0"))["applied"] and moved.gate is routes.gate
+    await routes.pause()
+    again = asyncio.ensure_future(moved.generate(PROMPT, SamplingParams(max_new_tokens=3), "a2"))
+    await asyncio.sleep(0.05)
+    assert not again.done()  # held at the gate
+    routes.resume()
+    assert (await asyncio.wait_for(again, 5)).output_ids == expected_ids(3, PROMPT)
+
+
+async def test_an_episode_paused_at_its_gate_is_woken_by_a_hand_over():
+    """Back-to-back train steps: the lent engine is still paused at the next step's start, its episodes
+    waiting at the gate; handed over, they wake and generate on the target while the worker stays
+    paused (they must not sleep on the old gate through the step, nor wait at a gate they left)."""
+    home, target = CountingEngine(version=3), CountingEngine(version=4)
+    routes = _routes(home)
+    route = routes.open("a", "g")
+    started = _started_at_token(home, 2)
+    call = asyncio.ensure_future(route.generate(PROMPT, SamplingParams(max_new_tokens=30), "a"))
+    await started.wait()
+    assert await routes.pause() == 1  # the first step: it pauses
+    await asyncio.sleep(0.05)
+    assert route.waiting and not call.done()
+    assert await routes.hand_over(FakeHandle(target), "w1", 4) == {"g": 1}  # the next step's start
+    out = await asyncio.wait_for(call, 5)  # the worker never resumed
+    assert out.output_ids == expected_ids(30, PROMPT) and out.meta["token_versions"][-1] == 4
+    assert route.paused_total_s > 0  # its wait at the gate, left out of its age
+
+
+async def test_a_handed_over_episode_whose_target_dies_goes_home_and_waits_for_the_resume():
+    """The rollout worker serving a handed-over episode fails (its actor stopped by a role change): the
+    episode falls back to its home engine and obeys its worker's gate again, so a paused lent engine
+    does not start generating beside the train step."""
+    home = CountingEngine(version=3)
+    routes = _routes(home)
+    route = routes.open("a", "g")
+    assert await routes.hand_over(FakeHandle(CountingEngine(fail=True)), "w1", 1) == {"g": 1}
+    await routes.pause()  # the lent engine yields to a step; the episode was not at home
+    call = asyncio.ensure_future(route.generate(PROMPT, SamplingParams(max_new_tokens=5), "a"))
+    await asyncio.sleep(0.05)
+    assert not call.done() and home.prompts == []  # fell back home, and waits at the gate
+    assert route.gate is routes.gate and route.engine_name == "w0"
+    routes.resume()
+    out = await asyncio.wait_for(call, 5)
+    assert out.output_ids == expected_ids(5, PROMPT) and home.prompts
+    (report,) = [m for m in routes.take_measured() if m["outcome"].startswith("fallback")]
+    assert report["target"] == "w1"  # the hand-over, undone: home from there
+
+
+async def test_a_hand_over_leaves_home_an_episode_with_tokens_of_newer_weights_than_the_targets():
+    """The lent engine has sampled at version 5; a rollout engine still on 4 takes only the episode
+    with no token yet (its tokens would otherwise go back a version: past what admission counted)."""
+    home, target = CountingEngine(version=5), CountingEngine(version=4)
+    routes = _routes(home)
+    sampled, fresh = routes.open("a", "g1"), routes.open("b", "g2")
+    await asyncio.wait_for(sampled.generate(PROMPT, SamplingParams(max_new_tokens=3), "a"), 5)
+    assert sampled.newest_version == 5 and fresh.newest_version == -1
+    assert await routes.hand_over(FakeHandle(target), "w1", 2, version=4) == {"g2": 1}
+    assert routes.at_home() == {"g1": 1} and routes.away() == {"g2": {"w1": 1}}
+    # a target on the same weights takes it
+    assert await routes.hand_over(FakeHandle(CountingEngine(version=5)), "w2", 2, version=5) == {"g1": 1}
+
+
+async def test_a_hand_over_counts_the_tokens_of_a_request_in_flight_in_an_episodes_weights():
+    """No call has returned yet, but the request in flight samples on version 5: a target on 4 does
+    not take the episode (its in-flight tokens, kept at the abort, would be newer than the target's)."""
+    home = CountingEngine(version=5)
+    routes = _routes(home)
+    route = routes.open("a", "g")
+    started = _started_at_token(home, 2)
+    call = asyncio.ensure_future(route.generate(PROMPT, SamplingParams(max_new_tokens=40), "a"))
+    await started.wait()
+    assert route.newest_version == -1 and route.sampled_version == 5
+    assert await routes.hand_over(FakeHandle(CountingEngine(version=4)), "w1", 1, version=4) == {}
+    assert (await asyncio.wait_for(call, 5)).output_ids == expected_ids(40, PROMPT)

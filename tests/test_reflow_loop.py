@@ -52,6 +52,29 @@ def test_busy_clock_keeps_a_leaving_workers_busy_time_and_a_joining_one_starts_i
     assert clock.in_flight == [0, 0, 0] and clock.total() == clock.busy > kept
 
 
+def test_busy_clock_counts_a_worker_busy_while_it_runs_a_lent_engines_episodes(monkeypatch):
+    """Its own groups done, a rollout worker generating what a lent engine handed over is not idle."""
+    import reflow.recipes.loop_counters as counters
+
+    now = [0.0]
+    monkeypatch.setattr(counters.time, "monotonic", lambda: now[0])
+    clock = counters.BusyClock(2)
+    clock.start(0)
+    now[0] = 2.0
+    clock.serve([3, 0])  # handed-over episodes arrive while its group runs: one busy stretch
+    now[0] = 5.0
+    clock.done(0)  # its group done; the served episodes go on
+    assert clock.total() == 5.0
+    now[0] = 7.0
+    clock.serve([0, 0])  # they ended: idle from here
+    now[0] = 10.0
+    assert clock.total() == 7.0 and clock.busy == 7.0
+    clock.serve([0, 4])
+    now[0] = 11.0
+    clock.remove(1)  # it moves to training while serving: its second kept
+    assert clock.busy == 8.0 and clock.served == [0]
+
+
 def _group(i: int, worker: int, started: float) -> GroupInFlight:
     return GroupInFlight(worker, f"g{i}", started)
 

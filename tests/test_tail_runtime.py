@@ -321,3 +321,25 @@ def test_an_episode_moved_twice_before_its_first_move_was_measured_logs_both_dec
         ("w2", 100, "tail", "superseded"),
         ("w0", 120, "tail again", "ok"),
     ]
+
+
+def test_episodes_a_rollout_engine_runs_for_a_lent_engine_count_in_its_load_and_the_policys_view():
+    """A lent engine's handed-over episodes generate on a rollout engine but are in no rollout worker's
+    report: the loop passes them as `served`; the gate's loads (where groups start, the free sequences
+    a hand-over may take) and the tail policy's engine states both count them."""
+    rt = RecordedRuntime(Snapshot(at=10.0, episodes=[_ep("a", "g1", "w0")], limits={"w0": 8, "w2": 8}))
+    gate = TailGate(TailPolicy(), batch=8, per_worker=4, group_size=2, runtime=rt)
+    seen = []
+    decide = gate.policy.decide
+    gate.policy.decide = lambda obs: seen.append(obs) or decide(obs)
+    look = gate.look(0, [GroupInFlight(0, "g1", 0.0)], [1, 0], 12.0, served=[0, 5])
+    assert look.loads == [1, 5] and look.free_sequences() == [7, 3]
+    assert [e.running for e in seen[0].engines] == [1, 5]
+    # without a runtime (no progress reports) the policy counts groups: 5 episodes fill 3 groups of 2
+    plain = TailGate(TailPolicy(), batch=8, per_worker=4, group_size=2)
+    plain.policy.decide = lambda obs: seen.append(obs) or decide(obs)
+    look = plain.look(0, [], [1, 0], 12.0, served=[0, 5])
+    assert look.loads == [2, 5] and [e.running for e in seen[1].engines] == [1, 3]
+    # the tail off: no policy, the loads still count them
+    off = TailGate(None, batch=8, per_worker=4, group_size=2)
+    assert off.look(0, [], [1, 0], 0.0, served=[1, 0]).loads == [3, 0]

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 
 
 class LendWindow:
@@ -169,6 +170,36 @@ def lent_engine_yields(oldest_started_version: int | None, version: int, eta: in
     if oldest_started_version is None:
         return True
     return version - oldest_started_version <= eta
+
+
+def hand_over_plan(
+    episodes: Sequence[int],
+    free: Sequence[int],
+    versions: Sequence[int] = (),
+    target_versions: Sequence[int] = (),
+) -> list[tuple[int, int]]:
+    """Where the episodes of the lent engines yielding at a step's start go instead of pausing: for
+    each engine (at most `episodes[i]` of its own), (a rollout engine, how many), from `free` (each
+    rollout engine's concurrency limit less its load): the engines with the most episodes first,
+    each to the rollout engine with the most room, none split over two; (-1, 0) where none has room.
+    With the engines' weight versions (`versions`, `target_versions`; empty: all alike) a target must
+    hold weights no older than the lent engine's (the worker also keeps home an episode whose tokens
+    are newer than its target's): its group's staleness stays what admission counted. The rest
+    pause."""
+    left = [max(0, f) for f in free]
+    plan = [(-1, 0)] * len(episodes)
+    for i in sorted(range(len(episodes)), key=lambda i: (-episodes[i], i)):
+        fits = [
+            w
+            for w in range(len(left))
+            if not versions or not target_versions or target_versions[w] >= versions[i]
+        ]
+        target = max(fits, key=lambda w: (left[w], -w)) if fits else -1
+        k = min(episodes[i], left[target]) if target >= 0 else 0
+        if k > 0:
+            left[target] -= k
+            plan[i] = (target, k)
+    return plan
 
 
 def relative_gain(now: float, target: float) -> float:

@@ -36,6 +36,7 @@ COUNTS = (
     "lent_busy_s",
     "lent_stored_s",
     "lent_yields",
+    "lent_handed_over",
 )
 """Summary counters of the elastic pool and the tail scheduler (0 in runs that predate them)."""
 RATES = {
@@ -124,7 +125,7 @@ def table(results: list[dict[str, Any]], targets: dict[str, float] | None, budge
         "final held-out", "final greedy", *RATES, "gen tok/s", "held-out at budget (curve)", "start", "rollout idle",
         "trainer idle", "train slot idle", "staleness mean", "reuse (mean uses/group)", "IS w mean", "IS w max",
         "masked frac", "m2 masked frac", "steps", "role changes", "role change s", "over-provisioned", "carried over",
-        "migrations", "lent s", "lent stored s", "lent yields",
+        "migrations", "lent s", "lent stored s", "lent yields", "lent handed over",
     ]  # fmt: skip
     columns = ["mode", "seeds", *head, *tail]
     rows = [

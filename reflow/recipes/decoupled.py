@@ -25,6 +25,7 @@ rollout that could not be trained in time.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import uuid
 from collections.abc import Callable
@@ -74,7 +75,11 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
     rollouts: dict[Any, GroupInFlight] = {}  # object ref of a group in flight -> its worker, since when
     workers = BusyClock(len(cluster.rollout))
     # lending: engines beside the trainer ranks take groups while no step runs (`LentEngines`)
-    lent = LentEngines(cluster, per_worker, config.replay.eta, state) if cluster.lent else None
+    lent = (
+        LentEngines(cluster, per_worker, config.replay.eta, state, group_size=config.rollout.group_size)
+        if cluster.lent
+        else None
+    )
     elastic = (
         ElasticDriver(cluster, config, state, clock.now(), lent)
         if config.elastic.active(config.mode)
@@ -108,6 +113,10 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
         # groups (as admission allows) and (tail.set_concurrency) limits follow their measured knee
         confirmed = weights.rollout_confirmed  # = admission_version(w) for every rollout worker w
         room = admission.room(confirmed, got.accepted, in_flight(), trained[confirmed])
+        served: list[int] = []  # sequences the rollout engines run for lent engines (handed over)
+        if lent is not None:
+            _log_events(log, state, "elastic", lent.refresh())
+            served = _serve(lent, cluster, workers)
         gate = tail.look(
             fresh,
             list(rollouts.values()),
@@ -115,6 +124,7 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
             time.monotonic(),
             room,
             weights.versions.confirmed,
+            served,
         )
         _log_events(log, state, "tail", gate.events)
         state.tail_migrations += gate.migrations
@@ -131,15 +141,21 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
             ref, group = _launch(cluster, cluster.rollout[w], w, weights.versions.confirmed[w], state)
             rollouts[ref] = group
             workers.start(w)
-        # train: start a step when a batch can be planned (lent engines yield first); the groups
-        # still running carry over
+        # train: start a step when a batch can be planned (lent engines yield first, handing what the
+        # rollout engines have room for over to them); the groups still running carry over
         if step is None and can_step:
             yield_lent = (
-                (lambda: _log_events(log, state, "elastic", lent.pause(state.version))) if lent else None
+                functools.partial(
+                    _yield_lent, log, state, lent, gate.free_sequences(), list(weights.versions.confirmed)
+                )
+                if lent
+                else None
             )
             step = _start_step(cluster, config, state, share, time.monotonic() - waiting_since, yield_lent)
             if step is not None and tail.policy is not None and rollouts:  # lent groups pause apart
                 _carry_over(log, state, step, len(rollouts))
+            if step is not None and lent is not None:  # the rollout workers run what was handed over
+                _serve(lent, cluster, workers)
         if lent is not None and step is None:  # the trainer waits: its lent engines generate
             lent.resume()
             while can_step and (e := lent.free()) is not None:  # what admission leaves (not the gate's)
@@ -148,13 +164,14 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
                     version, got.accepted, in_flight(), trained[version]
                 ) or out_of_time(budget, now, got.mean_seconds + step_s):
                     break
-                ref, _ = _launch(cluster, cluster.lent[e], e, version, state)
-                lent.started(ref, e, version)
+                ref, group = _launch(cluster, cluster.lent[e], e, version, state)
+                lent.started(ref, e, version, group.group_id)
         if step is None and (not can_step or not (in_flight() or weights.refs)):
             break  # no step running, and none can start or get data
         lent_refs = list(lent.groups) if lent else []
         pending = [*rollouts, *lent_refs, *weights.refs, *([step.refs[0]] if step else [])]
-        ready, _ = ray.wait(pending, num_returns=1, timeout=tail.wake_s(len(rollouts)))
+        wake = [s for s in (tail.wake_s(len(rollouts)), lent.wake_s() if lent else None) if s is not None]
+        ready, _ = ray.wait(pending, num_returns=1, timeout=min(wake, default=None))
         weights.collect(ready)  # sync weights: record confirmed versions, start due pushes
         for ref in ready:
             if step is not None and ref == step.refs[0]:
@@ -178,19 +195,38 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
             tail.observe(got.seconds, got.episode_seconds)
         state.rollout_busy_s = busy_before + workers.total()
         if lent is not None:
-            state.lent_busy_s, state.lent_stored_s, state.lent_yields = (
+            state.lent_busy_s, state.lent_stored_s, state.lent_yields, state.lent_handed_over = (
                 lent.busy_s(),
                 lent.stored_s(),
                 lent.pauses,
+                lent.handed_over,
             )
     # The run's final checkpoint (after the loop) keeps the state the run ended with: a run that ends
     # on its time budget may have written no periodic checkpoint since its last changes, or none.
     state.scheduler = saved()
     _log_events(log, state, "tail", tail.close(time.monotonic()))  # migrations measured since
+    if lent is not None:  # and the lent engines' hand-overs'
+        _log_events(log, state, "elastic", lent.refresh(force=True, ask=set(range(len(cluster.lent)))))
     for ref in [*rollouts, *(lent.groups if lent else ())]:  # the run is over: groups still in
         with contextlib.suppress(Exception):  # flight are not waited for
             ray.cancel(ref)
     weights.wait_all()  # the final evaluation and checkpoint see engines on the last weights
+
+
+def _serve(lent: LentEngines, cluster: Cluster, workers: BusyClock) -> list[int]:
+    """The sequences each rollout worker's engine runs for lent engines (by position), counted in its
+    busy time."""
+    served = lent.served_loads([s.index for s in cluster.rollout_slots])
+    workers.serve(served)
+    return served
+
+
+def _yield_lent(
+    log: RunLog, state: RunState, lent: LentEngines, free: list[int], confirmed: list[int]
+) -> None:
+    """At a step's start the lent engines yield, handing what fits the rollout engines' `free`
+    sequences (by position) over to those holding weights no older than theirs (`confirmed`)."""
+    _log_events(log, state, "elastic", lent.pause(state.version, free, confirmed))
 
 
 def _tail_policy(config: RunConfig) -> TailPolicy | None:

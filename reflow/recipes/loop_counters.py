@@ -8,6 +8,7 @@ the sync loop's tail saves the same).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from reflow.policy.tail import QUANTILE_WINDOW
@@ -21,35 +22,50 @@ def saved_durations(group_s: list[float], episode_s: list[float]) -> dict[str, l
 
 
 class BusyClock:
-    """Busy time of each rollout worker: from its first group in flight to its last one done."""
+    """Busy time of each rollout worker: from its first group in flight to its last one done, and
+    while its engine runs episodes a lent engine handed over (`serve`)."""
 
     def __init__(self, n: int) -> None:
         self.in_flight, self.since, self.busy = [0] * n, [0.0] * n, 0.0
+        self.served = [0] * n  # sequences it runs for lent engines (their groups are not its own)
+
+    def _busy(self, worker: int) -> bool:
+        return self.in_flight[worker] + self.served[worker] > 0
+
+    def _set(self, worker: int, in_flight: int, served: int) -> None:
+        was = self._busy(worker)
+        self.in_flight[worker], self.served[worker] = in_flight, served
+        if not was and self._busy(worker):
+            self.since[worker] = time.monotonic()
+        elif was and not self._busy(worker):
+            self.busy += time.monotonic() - self.since[worker]
 
     def start(self, worker: int) -> None:
-        if self.in_flight[worker] == 0:
-            self.since[worker] = time.monotonic()
-        self.in_flight[worker] += 1
+        self._set(worker, self.in_flight[worker] + 1, self.served[worker])
 
     def done(self, worker: int) -> None:
-        self.in_flight[worker] -= 1
-        if self.in_flight[worker] == 0:
-            self.busy += time.monotonic() - self.since[worker]
+        self._set(worker, self.in_flight[worker] - 1, self.served[worker])
+
+    def serve(self, sequences: Sequence[int]) -> None:
+        """The sequences each worker's engine runs for lent engines now, by position."""
+        for w, n in enumerate(sequences):
+            self._set(w, self.in_flight[w], n)
 
     def total(self) -> float:
         now = time.monotonic()
-        return self.busy + sum(now - s for s, n in zip(self.since, self.in_flight, strict=True) if n)
+        return self.busy + sum(now - self.since[w] for w in range(len(self.since)) if self._busy(w))
 
     def remove(self, worker: int) -> None:
         """The worker left (a role change): its busy time so far stays counted."""
-        if self.in_flight[worker]:
+        if self._busy(worker):
             self.busy += time.monotonic() - self.since[worker]
-        del self.in_flight[worker], self.since[worker]
+        del self.in_flight[worker], self.since[worker], self.served[worker]
 
     def insert(self, worker: int) -> None:
         """A worker joined at position `worker`, idle."""
         self.in_flight.insert(worker, 0)
         self.since.insert(worker, 0.0)
+        self.served.insert(worker, 0)
 
 
 @dataclass

@@ -328,6 +328,7 @@ def run_summary(
         "lent_busy_s": state.lent_busy_s,
         "lent_stored_s": state.lent_stored_s,
         "lent_yields": state.lent_yields,
+        "lent_handed_over": state.lent_handed_over,
         "groups_quarantined": state.groups_quarantined,
         **headroom_summary(state.headroom),
     }

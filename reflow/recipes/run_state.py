@@ -73,6 +73,8 @@ class RunState:
     nothing: the train slot's idle time counts it)."""
     lent_yields: int = 0
     """Step starts at which a lent engine yielded its slot to the trainer (its requests aborted)."""
+    lent_handed_over: int = 0
+    """Episodes lent engines handed over to rollout engines with room at a yield, instead of pausing."""
     lineage: int = 0
     """The replay store's lineage of these weights: a resumed run forks a new one from its
     checkpoint's (`ReplayStore.start_lineage`), so no (lineage, version) names two weight sets."""

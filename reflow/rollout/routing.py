@@ -24,6 +24,11 @@ A request migrated to an engine that pauses comes back the same way (`meta["paus
 `WorkerTail.pause_served`) and waits at that engine's gate. The time an episode waits paused, here or
 there, is left out of its age (`active_s`, the tail's quantiles) and counted in `timings["paused_s"]`.
 
+Handed over (`Routes.hand_over`, a lent engine's yield at a train step's start): an episode moves to
+another worker's engine for good, as a migration, and waits for none of its own worker's resumes
+(its route's gate is set to None; an episode waiting at the gate then is woken and goes there). Back
+home, by a migration or a fallback, it waits at its worker's gate again.
+
 Failures are contained: a target that fails (its actor died, its engine raised) sends the episode
 back to its home engine, which resubmits the prefix (outcome "fallback: ..."); the home engine failing
 is the episode's `infra_error`, as without migration. A stop string that straddles a resubmission is
@@ -116,7 +121,8 @@ class EpisodeRoute:
         gate: asyncio.Event | None = None,
     ) -> None:
         self.episode, self.group, self.home, self.home_name = episode, group, home, home_name
-        self.gate = gate  # set: requests may run (`Routes.pause` clears it)
+        self.gate = self.home_gate = gate  # set: requests may run (`Routes.pause` clears it)
+        self._regated = asyncio.Event()  # the gate was switched (`set_gate`): a waiter looks again
         self.paused_s = 0.0
         """Seconds its generate calls waited for a resume since `take_paused_s` last took them."""
         self.paused_total_s = 0.0
@@ -157,9 +163,14 @@ class EpisodeRoute:
             "turns": self.turns,
             "tokens": self.tokens,
             "seconds": self.active_s(),
-            # tokens of a request in flight come from its engine's weights (an abort keeps them)
-            "version": max(self.newest_version, self._part[0].weight_version if self._part else -1),
+            "version": self.sampled_version,
         }
+
+    @property
+    def sampled_version(self) -> int:
+        """The newest weights among its tokens so far, those of a request in flight included (they
+        come from its engine's weights; an abort keeps them); -1: none yet."""
+        return max(self.newest_version, self._part[0].weight_version if self._part else -1)
 
     def active_s(self) -> float:
         """Seconds since it opened, less the time it waited paused (a wait in progress included)."""
@@ -167,12 +178,31 @@ class EpisodeRoute:
         waiting = now - self._waiting_since if self._waiting_since is not None else 0.0
         return max(0.0, now - self.started - self.paused_total_s - waiting)
 
+    def set_gate(self, gate: asyncio.Event | None) -> None:
+        """The gate its requests wait at from now (None: none, a handed-over episode); a call waiting
+        at the old one looks again."""
+        self.gate = gate
+        self._regated.set()
+
+    async def _wait_gate(self) -> None:
+        """Until the gate is set or gone (a pause's wait, or none)."""
+        while self.gate is not None and not self.gate.is_set():
+            self._regated.clear()
+            waits = [asyncio.ensure_future(self.gate.wait()), asyncio.ensure_future(self._regated.wait())]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+
     def _add_paused(self, seconds: float) -> None:
         self.paused_s += seconds
         self.paused_total_s += seconds
 
-    async def migrate(self, target: Engine, name: str) -> Migration:
-        """Generate on `target` from now on; a request in flight is aborted and resubmitted there."""
+    async def migrate(self, target: Engine, name: str, gate: Any = ...) -> Migration:
+        """Generate on `target` from now on; a request in flight is aborted and resubmitted there.
+        `gate`: the gate it waits at from then (unchanged if not given), switched with the engine,
+        before the abort: a woken call goes to the target."""
         if name == self.engine_name:
             raise ValueError(f"episode {self.episode} already generates on {name}")
         if self.pending is not None:
@@ -183,6 +213,8 @@ class EpisodeRoute:
         )
         mig.paused_before = self.paused_total_s
         self.pending, self.engine, self.engine_name = mig, target, name
+        if gate is not ...:
+            self.set_gate(gate)
         if part is not None:
             with contextlib.suppress(Exception):  # a source that cannot abort fails its call: handled there
                 await part[0].abort(part[1])
@@ -233,9 +265,8 @@ class EpisodeRoute:
             while True:
                 if self.gate is not None and not self.gate.is_set():
                     self._waiting_since = self.clock()
-                    try:
-                        while not self.gate.is_set():  # paused: a resume may be undone before this runs
-                            await self.gate.wait()
+                    try:  # paused: a resume may be undone before this runs, a hand-over lift the gate
+                        await self._wait_gate()
                     finally:  # (`take_paused_s` may have taken the wait's start already)
                         self._add_paused(self.clock() - self._waiting_since)
                         self._waiting_since = None
@@ -364,6 +395,7 @@ class EpisodeRoute:
             self.episode, self.group, self.engine_name, self.home_name, self.clock(), tokens, True
         )
         self.engine, self.engine_name = self.home, self.home_name
+        self.set_gate(self.home_gate)  # home again: its worker's pauses hold it
 
     def _finish(self, mig: Migration, outcome: str) -> None:
         mig.outcome = outcome
@@ -450,21 +482,65 @@ class Routes:
             return {"applied": False, "error": f"episode {episode} is not running here (ended?)"}
         if target_name == route.engine_name:
             return {"applied": False, "error": f"episode {episode} already generates on {target_name}"}
-        engine = (
-            self.home
-            if target_name == self.home_name
-            else RemoteEngine(target, target_name, route.weight_version)
-        )
-        mig = await route.migrate(engine, target_name)
+        if target_name == self.home_name:  # home: its worker's gate again (a handed-over episode)
+            mig = await route.migrate(self.home, target_name, gate=self.gate)
+        else:
+            mig = await route.migrate(RemoteEngine(target, target_name, route.weight_version), target_name)
         return {"applied": True, "tokens": mig.tokens, "in_flight": mig.in_flight, "source": mig.source}
+
+    async def hand_over(
+        self, target: Any, target_name: str, n: int, version: int | None = None
+    ) -> dict[str, int]:
+        """Move up to `n` of the episodes on this worker's own engine to `target_name`'s (`target`: that
+        worker's actor handle), for good: as a migration (tokens kept, per-token versions), waiting for
+        none of this worker's resumes, so a `pause` leaves them generating there (a lent engine's
+        episodes at a train step's start, on a rollout engine with room). An episode waiting paused
+        is woken and goes. Whole groups first, the smallest first (a group with nothing left here frees
+        its lent engine). `version`: the target's weights; an episode with tokens of newer weights
+        stays (its versions would go back). Returns the episodes moved per group."""
+        by_group: dict[str, list[EpisodeRoute]] = {}
+        for r in self._routes.values():
+            if r.engine is self.home and (version is None or r.sampled_version <= version):
+                by_group.setdefault(r.group, []).append(r)
+        chosen = [r for _, rs in sorted(by_group.items(), key=lambda g: (len(g[1]), g[0])) for r in rs]
+        chosen = chosen[: max(0, n)]
+        await asyncio.gather(
+            *(
+                r.migrate(RemoteEngine(target, target_name, r.weight_version), target_name, gate=None)
+                for r in chosen
+            )
+        )
+        moved: dict[str, int] = {}
+        for r in chosen:
+            if self._routes.get(r.episode) is r:  # not ended in the meantime
+                moved[r.group] = moved.get(r.group, 0) + 1
+        return moved
+
+    def away(self) -> dict[str, dict[str, int]]:
+        """Handed-over episodes still running elsewhere: per group, per engine name."""
+        out: dict[str, dict[str, int]] = {}
+        for r in self._routes.values():
+            if r.gate is None:
+                per = out.setdefault(r.group, {})
+                per[r.engine_name] = per.get(r.engine_name, 0) + 1
+        return out
+
+    def at_home(self) -> dict[str, int]:
+        """Episodes per group on this worker's own engine (or waiting for it)."""
+        home: dict[str, int] = {}
+        for r in self._routes.values():
+            if r.gate is not None:
+                home[r.group] = home.get(r.group, 0) + 1
+        return home
 
     async def pause(self) -> int:
         """No episode generates until `resume`: requests in flight are aborted (their tokens kept, the
-        rest resubmitted on resume). Episodes in an env step finish it and wait. Returns the episodes
-        paused."""
+        rest resubmitted on resume). Episodes in an env step finish it and wait. Episodes handed over
+        (`hand_over`) go on. Returns the episodes paused."""
         self.gate.clear()
-        await asyncio.gather(*(route.pause() for route in list(self._routes.values())))
-        return len(self._routes)
+        paused = [route for route in list(self._routes.values()) if route.gate is not None]
+        await asyncio.gather(*(route.pause() for route in paused))
+        return len(paused)
 
     def resume(self) -> None:
         self.gate.set()

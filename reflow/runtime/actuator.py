@@ -2,7 +2,8 @@
 
 - `move_slot`: `Cluster.move` (`reflow.runtime.role_change`). Towards training, the rollout
   worker with the fewest groups in flight drains (`worker_to_drain`; its groups in flight, from
-  `in_flight`, are waited for); towards rollout, the last train slot leaves the trainer group. Every
+  `in_flight`, are waited for; episodes a lent engine handed over to it count as the groups they
+  fill, and fall back to their lent engine when it goes); towards rollout, the last train slot leaves the trainer group. Every
   applied change is kept in `changes` (the loop re-indexes its per-worker state from the last one).
 - `lend`: how many of the engines beside the trainer ranks take groups (`LentEngines.lending`,
   `reflow.runtime.lending`); refused when lending is off.
@@ -51,6 +52,9 @@ class RayActuator:
             counts = [0] * len(self.cluster.rollout)
             for worker, _ in self.in_flight.values():
                 counts[worker] += 1
+            if self.lent is not None:  # episodes a lent engine handed over, as the groups they fill
+                served = self.lent.served_loads([s.index for s in self.cluster.rollout_slots])
+                counts = [n + -(-k // self.lent.group_size) for n, k in zip(counts, served, strict=True)]
             worker = worker_to_drain(counts)
             slot: int | str = self.cluster.rollout_slots[worker].index
             drain = {ref: list(ids) for ref, (w, ids) in self.in_flight.items() if w == worker}

@@ -8,15 +8,29 @@ the rank's slot, reserving nothing of its own). `LentEngines` is what the loop k
 - their groups in flight, started only while no train step runs, under the same admission control
   and time budget as the rollout workers' (the loop counts both); not under the tail gate, whose
   B + delta is the rollout workers' share of a batch: a lent engine starts mostly the next batch's
-  groups, early. Admission's room is shared: a lent group paused through a step holds a place the
-  rollout workers could have started a group in (measured on longtail-tiny: their idle share rose
-  beside a lent engine);
-- `pause` at a step's start: the engines' requests are aborted (their tokens kept) before the trainer
-  computes, so the step has the slot within one decode step; an engine whose oldest group is past
-  the staleness bound runs on instead (`reflow.policy.lending.lent_engine_yields`, asked at every
-  step start, paused engines too); `resume` when the trainer waits for a batch again: the paused
-  episodes resubmit their prefixes on the engine's weights of then (per-token versions, as any
-  partial rollout);
+  groups, early. Admission's room is shared: a lent group paused through a step would hold a place
+  the rollout workers could have started a group in (measured on longtail-tiny: their idle share
+  rose beside a lent engine), hence the hand-over below;
+- `pause` at a step's start: first, as many of the lent engines' episodes as the rollout engines have
+  free sequences for (their limit less their load, what was handed over before counted in it) move
+  there for good, as a migration, and generate through the step (`reflow.policy.lending.
+  hand_over_plan`; an engine still paused from the last step hands over too); then the engines'
+  requests are aborted (their tokens kept) before the trainer computes, so the step has the slot
+  within one decode step. Only rollout engines whose confirmed weights are no older than the lent
+  engine's are offered its episodes, and an episode with tokens of newer weights than its target's
+  stays (`Routes.hand_over`): tokens go back a version only after a fallback home (the target
+  left), so a group's staleness stays what admission counted from the lent engine. Each yield's
+  report (every engine with groups reports first), and between yields `refresh` (every `refresh_s`:
+  the loop wakes that often while anything is handed over), rebuild the books of what runs where: a group with no episode left on its lent
+  engine keeps no busy clock running there and never makes it run on; its episodes on a rollout
+  engine carry that engine's versions (per-token), count in that engine's load, in the tail policy's
+  view of it (`TailGate.look`'s `served`), in its busy time and in which worker a move to training
+  drains, until they end; one that falls back home (its target left) counts on its lent engine
+  again. Not done: an engine past the bound hands nothing over before running on. An engine whose
+  oldest group on it is past the staleness bound runs on instead (`reflow.policy.lending.
+  lent_engine_yields`, asked at every step start, paused engines too); `resume` when the trainer
+  waits for a batch again: the paused episodes resubmit their prefixes on the engine's weights of
+  then (per-token versions, as any partial rollout);
 - their generating seconds (`busy_s`: a group in flight and not paused), the elastic policy's lent
   busy time, and of those the seconds that ended in a stored group, outside train steps (`stored_s`),
   the train slot's generation time in its idle ratio: an engine running on beside a step shares the
@@ -29,12 +43,20 @@ rank on CPU that is a copy through Ray's shared-memory object store, not an in-p
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import ray
 
-from reflow.policy.lending import lent_engine_yields
+from reflow.policy.lending import hand_over_plan, lent_engine_yields
+from reflow.runtime.tail import POLL_S, PROGRESS_TIMEOUT_S
+from reflow.runtime.worker_tail import engine_name
+
+REPORT_TIMEOUT_S = PROGRESS_TIMEOUT_S
+"""A lent engine that does not report in this long (its actor shares the trainer's cores, which a
+step may hold) keeps its books until its next report."""
 
 
 class _Clocks:
@@ -69,12 +91,23 @@ class LentEngines:
     whose counters (`lent_busy_s`, `lent_yields`, restored on a resume) these continue."""
 
     def __init__(
-        self, cluster: Any, per_engine: int, eta: int, state: Any = None, lending: int | None = None
+        self,
+        cluster: Any,
+        per_engine: int,
+        eta: int,
+        state: Any = None,
+        lending: int | None = None,
+        group_size: int = 1,
+        refresh_s: float = POLL_S,
     ) -> None:
-        self.cluster, self.per_engine, self.eta = cluster, per_engine, eta
+        self.cluster, self.per_engine, self.eta, self.group_size = cluster, per_engine, eta, group_size
         n = len(cluster.lent)
         self.lending = n if lending is None else lending
         self.groups: dict[Any, tuple[int, int]] = {}  # object ref -> (lent engine, version started on)
+        self.ids: dict[Any, str] = {}  # object ref -> group id (what a hand-over reports by)
+        self.served: dict[Any, dict[int, int]] = {}  # ref -> rollout slot index -> episodes handed over
+        self.away: set[Any] = set()  # groups with no episode left on their lent engine
+        self.home: dict[Any, int] = {}  # ref -> its episodes on its lent engine at the last report
         self.paused: set[int] = set()
         self._busy = _Clocks(n)  # generating seconds in this session (stopped: idle or paused)
         self._stored = [0.0] * n  # of those, the ones up to the engine's last group stored, beside no step
@@ -89,15 +122,22 @@ class LentEngines:
         """Whether a lent engine generates beside the step started last (ran on past the bound)."""
         self.yield_s = 0.0
         """Seconds the engines took to yield before the step started last (0: none yielded)."""
+        self.refresh_s = refresh_s
+        self._refreshed = -math.inf
+        self._handing: set[int] = set()  # engines with episodes handed over at their last report
+        self._running_on: set[int] = set()  # engines running on beside the step now
+        self.handed_over = state.lent_handed_over if state is not None else 0
+        """Episodes the yields moved to rollout engines (the run's, a resumed one's too)."""
 
     @property
     def in_flight(self) -> int:
         return len(self.groups)
 
     def loads(self) -> list[int]:
+        """Groups with episodes on each lent engine (not those handed over whole)."""
         counts = [0] * len(self.cluster.lent)
-        for engine, _ in self.groups.values():
-            counts[engine] += 1
+        for ref, (engine, _) in self.groups.items():
+            counts[engine] += ref not in self.away
         return counts
 
     def free(self) -> int | None:
@@ -107,9 +147,10 @@ class LentEngines:
         fits = [e for e in range(self.lending) if loads[e] < self.per_engine and e not in self.paused]
         return min(fits, key=lambda e: (loads[e], e)) if fits else None
 
-    def started(self, ref: Any, engine: int, version: int) -> None:
+    def started(self, ref: Any, engine: int, version: int, group_id: str = "") -> None:
         """A group started on lent engine `engine` with the weights `version` its engine confirmed."""
         self.groups[ref] = (engine, version)
+        self.ids[ref] = group_id
         if engine not in self.paused:
             self._busy.start(engine)
 
@@ -118,28 +159,53 @@ class LentEngines:
         if ref not in self.groups:
             return False
         engine, _ = self.groups.pop(ref)
+        self.ids.pop(ref, None)
+        self.served.pop(ref, None)
+        self.away.discard(ref)
+        self.home.pop(ref, None)
         self._stored[engine] = self._busy.read(engine) - self._beside.read(engine)
         if engine not in self._busy_engines():
             self._stop_clock(engine)
         return True
 
     def _busy_engines(self) -> set[int]:
-        return {e for e, _ in self.groups.values()}
+        """Engines with a group of which some episode is still on them."""
+        return {e for ref, (e, _) in self.groups.items() if ref not in self.away}
 
-    def pause(self, version: int) -> list[dict[str, Any]]:
+    def served_loads(self, slots: list[int]) -> list[int]:
+        """Episodes handed over and still in flight, by rollout position (`slots`: each position's slot
+        index), what the rollout engines' loads leave out (they count their own episodes)."""
+        per_slot: dict[int, int] = {}
+        for moved in self.served.values():
+            for slot, n in moved.items():
+                per_slot[slot] = per_slot.get(slot, 0) + n
+        return [per_slot.get(s, 0) for s in slots]
+
+    def pause(
+        self, version: int, free: Sequence[int] = (), confirmed: Sequence[int] = ()
+    ) -> list[dict[str, Any]]:
         """A step training `version` + 1 starts: every lent engine with groups yields (returns once
-        each has aborted its requests in flight), but one whose oldest group started more than `eta`
+        each has aborted its requests in flight, after handing over what the rollout engines' `free`
+        sequences, by position, take: those whose weights are no older than its own, by `confirmed`,
+        each engine's confirmed version in `Cluster.engines`' order; empty: not compared), but one whose oldest group on it started more than `eta`
         versions ago, which runs on beside the step; asked at every step start, so an engine kept
         paused through back-to-back steps (a trainer that never waits) is resumed once its groups
-        reach the bound. Returns the events of engines that run on."""
-        oldest: dict[int, int] = {}
-        for engine, started in self.groups.values():
-            oldest[engine] = min(started, oldest.get(engine, started))
-        yielding, running_on, events = [], [], []
+        reach the bound. Returns the events of engines that run on or hand episodes over. `yield_s`:
+        the seconds all this took (the reports asked first, the yields), lending's cost before the
+        step."""
+        t0 = time.monotonic()
+        # what runs where now, on every engine with groups: a fallback home counts for run-on, and
+        # the plan's demand is what each engine holds now
+        events = self.refresh(force=True, ask={e for e, _ in self.groups.values()})
+        oldest: dict[int, int | None] = {}  # None: every group of it is on rollout engines
+        for ref, (engine, started) in self.groups.items():
+            mine = oldest.setdefault(engine, None)
+            if ref not in self.away:
+                oldest[engine] = started if mine is None else min(mine, started)
+        yielding, still, running_on = [], [], []
         for engine in sorted(oldest):
             if lent_engine_yields(oldest[engine], version, self.eta):
-                if engine not in self.paused:
-                    yielding.append(engine)
+                (still if engine in self.paused else yielding).append(engine)
                 continue
             running_on.append(engine)
             self.ran_on += 1
@@ -149,20 +215,127 @@ class LentEngines:
                 f"versions before {version}: it generates beside the step",
                 "engine": engine,
             })  # fmt: skip
-        self.yield_s = 0.0
-        if yielding:
-            t0 = time.monotonic()
-            ray.get([self.cluster.lent[e].pause_episodes.remote() for e in yielding])
-            self.yield_s = time.monotonic() - t0
-            self.pauses += 1
+        if yielding or (still and any(f > 0 for f in free)):  # paused still: what fits is handed over
+            events += self._yield(yielding, still, free, confirmed)
+            self.pauses += bool(yielding)
+        self.yield_s = time.monotonic() - t0
         for engine in yielding:
             self._stop_clock(engine)
             self.paused.add(engine)
-        self.beside_step = bool(running_on)
+        self.beside_step, self._running_on = bool(running_on), set(running_on)
         self._resume([e for e in running_on if e in self.paused])
         for engine in running_on:  # it generates beside the step from now on
             if self._busy.running(engine):
                 self._beside.start(engine)
+        return events
+
+    def _yield(
+        self, engines: list[int], still: list[int], free: Sequence[int], confirmed: Sequence[int]
+    ) -> list[dict[str, Any]]:
+        """Pause `engines` (all at once), each handing over first what `hand_over_plan` gives it; of
+        the engines `still` paused from the last step, only those it gives episodes to are called.
+        Each call's report rebuilds the books of its engine's groups (what runs where)."""
+        asked = [*engines, *still]
+        n = len(self.cluster.rollout)
+        plan = hand_over_plan(
+            [self._at_home(e) for e in asked],
+            free,
+            [confirmed[n + e] for e in asked] if confirmed else (),
+            confirmed[:n],
+        )
+        names = {engine_name(s.index): s.index for s in self.cluster.rollout_slots}
+        slots = list(names.values())
+        calls = []
+        for e, (w, k) in zip(asked, plan, strict=True):
+            if k or e in engines:
+                version = confirmed[w] if confirmed else None
+                target = (self.cluster.rollout[w], engine_name(slots[w]), k, version) if k else ()
+                calls.append((e, self.cluster.lent[e].yield_episodes.remote(*target)))
+        events = []
+        for (e, _), out in zip(calls, ray.get([ref for _, ref in calls]), strict=True):
+            events += self._book(e, out, names)
+        return events
+
+    def refresh(self, force: bool = False, ask: set[int] | None = None) -> list[dict[str, Any]]:
+        """Between yields, at most every `refresh_s` (or now, `force`): the engines with episodes
+        handed over (and those in `ask`) report what runs where again (`RolloutWorker.lent_report`),
+        so the served loads drop as those episodes end and a group that fell back home counts on its
+        engine again. An engine that does not answer in `REPORT_TIMEOUT_S` keeps its books until the
+        next report. Returns the migrations measured since (events)."""
+        now = time.monotonic()
+        if not force and now - self._refreshed < self.refresh_s:
+            return []
+        self._refreshed = now
+        holding = {self.groups[ref][0] for ref in self.served.keys() | self.away if ref in self.groups}
+        engines = sorted(holding | self._handing | (ask or set()))
+        if not engines:
+            return []
+        names = {engine_name(s.index): s.index for s in self.cluster.rollout_slots}
+        calls = {self.cluster.lent[e].lent_report.remote(): e for e in engines}
+        ready, _ = ray.wait(list(calls), num_returns=len(calls), timeout=REPORT_TIMEOUT_S)
+        events = []
+        for ref in ready:
+            events += self._book(calls[ref], ray.get(ref), names)
+        busy = self._busy_engines()
+        for e in engines:  # a group home again generates there, unless its engine is paused
+            if e not in busy:
+                self._stop_clock(e)
+            elif e not in self.paused:
+                self._busy.start(e)
+                if e in self._running_on:  # beside the step: its seconds are the step's too
+                    self._beside.start(e)
+        return events
+
+    def wake_s(self) -> float | None:
+        """How long the loop may wait before the next `refresh` (None: nothing handed over)."""
+        return self.refresh_s if self.served or self.away or self._handing else None
+
+    def _at_home(self, engine: int) -> int:
+        """Episodes on `engine` as its last report had them (a group not reported yet: all of it)."""
+        return sum(
+            self.home.get(ref, self.group_size)
+            for ref, (e, _) in self.groups.items()
+            if e == engine and ref not in self.away
+        )
+
+    def _book(self, engine: int, out: dict[str, Any], names: dict[str, int]) -> list[dict[str, Any]]:
+        """A report from `engine` (a yield's or `refresh`'s): per group, the episodes at home and those
+        handed over still running on rollout engines (by slot). A group with none at home is away
+        (nothing of it runs on its engine: handed over, or done and its report not in yet), one at
+        home again (a fallback) is not; a group in no report yet (its episodes not opened) counts
+        whole at home. The migrations it measured since its last report, events."""
+        for ref, gid in self.ids.items():
+            if self.groups[ref][0] != engine:
+                continue
+            if gid not in out["home"] and gid not in out["away"] and ref not in self.home:
+                continue  # started, no episode open yet: all of it is (about to be) here
+            self.home[ref] = out["home"].get(gid, 0)
+            running = {names[n]: k for n, k in out["away"].get(gid, {}).items() if n in names}
+            if running:
+                self.served[ref] = running
+            else:
+                self.served.pop(ref, None)
+            if self.home[ref]:
+                self.away.discard(ref)
+            else:
+                self.away.add(ref)
+        moved = sum(out.get("moved", {}).values())
+        self.handed_over += moved
+        if moved or out["away"]:  # asked again until a report shows nothing of it elsewhere
+            self._handing.add(engine)
+        else:
+            self._handing.discard(engine)
+        events = []
+        if moved:
+            events.append({
+                "what": "lent_hand_over",
+                "why": f"rollout engines had free sequences at the step's start: {moved} episodes go on "
+                "there instead of pausing",
+                "engine": engine,
+                "episodes": moved,
+            })  # fmt: skip
+        for m in out.get("migrations", []):  # hand-overs measured since its last report
+            events.append({"what": "lent_migration_measured", "engine": engine, **m})
         return events
 
     def step_done(self) -> None:
@@ -170,6 +343,7 @@ class LentEngines:
         seconds count in `stored_s` again)."""
         for engine in range(len(self._stored)):
             self._beside.stop(engine)
+        self._running_on = set()
 
     def resume(self) -> None:
         """The trainer waits: the paused engines' episodes resubmit, on the weights the engines have."""

@@ -302,6 +302,10 @@ class TailLook:
     def allows(self) -> bool:
         return self.room is None or self.room > 0
 
+    def free_sequences(self) -> list[int]:
+        """Each rollout worker's engine's limit less its load (sequences, by position; at least 0)."""
+        return [max(0, limit - load) for load, limit in zip(self.loads, self.limits, strict=True)]
+
     def worker(self) -> int | None:
         """The least loaded rollout worker below its room, or None: its limit, but never under two
         groups. A group may take an engine past its limit: the engine queues the sequences over it
@@ -398,12 +402,16 @@ class TailGate:
         now: float,
         next_room: int = 0,
         versions: Sequence[int] = (),
+        served: Sequence[int] = (),
     ) -> TailLook:
         """`fresh_waiting`: groups with reward spread stored and not yet trained; `loads`: groups in
         flight per rollout worker; `now`: the clock `GroupInFlight.started` was read from;
         `next_room`: groups admission control would let start now (the next batch's, on freed engines);
-        `versions`: the weights each rollout worker's engine confirmed (migration targets)."""
-        seqs = [n * self.group_size for n in loads]
+        `versions`: the weights each rollout worker's engine confirmed (migration targets); `served`:
+        sequences each rollout worker's engine runs for others (a lent engine's handed-over episodes,
+        which the workers' own reports leave out), counted in its load and in the policy's view."""
+        extra = [served[w] if w < len(served) else 0 for w in range(len(loads))]
+        seqs = [n * self.group_size + x for n, x in zip(loads, extra, strict=True)]
         limits = [self.per_worker * self.group_size] * len(loads)
         if self.policy is None:
             return TailLook(None, loads=seqs, limits=limits, group_size=self.group_size)
@@ -413,11 +421,12 @@ class TailGate:
             rt = self.runtime
             events += rt.poll(now)
             episodes, seqs, limits = rt.observe(in_flight, now)
+            seqs = [n + x for n, x in zip(seqs, extra, strict=True)]
             names, prefill, finishing = rt.engine_ids(), rt.prefill_tokens_per_s, rt.finishing
             engines = tuple(
                 EngineState(
                     e,
-                    sum(ep.engine == e for ep in episodes),
+                    sum(ep.engine == e for ep in episodes) + extra[w],
                     limits[w],
                     rt.curve(e),
                     e in rt.released,
@@ -426,7 +435,10 @@ class TailGate:
                 for w, e in enumerate(names)
             )
         else:  # one entry per group, no progress: over-provisioning and carry-over only
-            engines = tuple(EngineState(f"w{w}", n, self.per_worker) for w, n in enumerate(loads))
+            engines = tuple(  # in groups: served episodes as the groups they fill, rounded up
+                EngineState(f"w{w}", n + -(-extra[w] // self.group_size), self.per_worker)
+                for w, n in enumerate(loads)
+            )
             episodes = tuple(
                 InFlightEpisode(g.group_id, g.group_id, f"w{g.worker}", 0, 0, max(0.0, now - g.started))
                 for g in in_flight

@@ -215,6 +215,29 @@ class RolloutWorker:
         await self._release_cache()  # a no-op while an aborted request is still winding down
         return paused
 
+    async def yield_episodes(
+        self, target: Any = None, target_name: str = "", hand_over: int = 0, target_version: int | None = None
+    ) -> dict[str, Any]:
+        """A lent engine's yield at a train step's start: up to `hand_over` of its episodes move to
+        `target_name`'s engine (`target`: that rollout worker's actor handle, holding weights
+        `target_version`) and go on there, through the step and after it; the rest pause as
+        `pause_episodes`. Returns the episodes moved per group and how many paused, with
+        `lent_report`'s. A lent engine yields through this call even with nothing to hand over: its
+        report keeps the loop's books on what runs where."""
+        moved = {}
+        if hand_over > 0 and target is not None:
+            moved = await self.tail.routes.hand_over(target, target_name, hand_over, target_version)
+        paused = await self.pause_episodes()
+        return {"moved": moved, "paused": paused, **await self.lent_report()}
+
+    async def lent_report(self) -> dict[str, Any]:
+        """What runs where of a lent engine's groups: episodes per group on its own engine (`home`),
+        those handed over and still running elsewhere (`away`, per group and engine name), and the
+        migrations measured since the last report (this worker's hand-overs: the tail polls only
+        rollout workers)."""
+        routes = self.tail.routes
+        return {"home": routes.at_home(), "away": routes.away(), "migrations": routes.take_measured()}
+
     async def resume_episodes(self) -> None:
         """The paused episodes resubmit their prefixes, on the engine's weights now."""
         self.tail.routes.resume()

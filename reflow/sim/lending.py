@@ -20,11 +20,15 @@ since its last change, alone and beside a lent engine, with the yields' hand-ove
 A slot that joins the trainer later (an elastic move) lends no engine: the runtime places its lent
 engines beside the trainer ranks it starts with.
 
-Not modelled: a lent engine's weights arriving late. The runtime's lent engine loads each version on
-its trainer's core beside the next step, and admission counts its starts from the version it has
-confirmed (`WeightPusher.admission_version`); here every engine has the new version at each sync and
-lent groups start on it, so the simulator admits a lagging lent engine's groups more readily and
-tags them one version fresher than the runtime would.
+Not modelled: the runtime's hand-over at a yield (a yielding lent engine's episodes that fit a
+rollout engine's free sequences move there and generate through the step,
+`reflow.policy.lending.hand_over_plan`); here every yielded request waits on its lent engine for the
+resume, so the simulator charges lending the admission room its paused groups hold. Nor a lent
+engine's weights arriving late: the runtime's lent engine loads each version on its trainer's core
+beside the next step, and admission counts its starts from the version it has confirmed
+(`WeightPusher.admission_version`); here every engine has the new version at each sync and lent
+groups start on it, so the simulator admits a lagging lent engine's groups more readily and tags
+them one version fresher than the runtime would.
 """
 
 from __future__ import annotations
