@@ -8,7 +8,8 @@ import json
 import pytest
 
 from reflow.errors import UsageError
-from reflow.recipes.bench_modes import parse_rows, pilot_targets, plot, start_noise, table, variants
+from reflow.recipes.bench_modes import pilot_targets, plot, start_noise, table
+from reflow.recipes.bench_rows import parse_rows, select_rows, variants
 
 
 def _run(mode, seed, successes, dt=10.0, reuse=None, new=None, final=None, mean8=None):
@@ -261,7 +262,7 @@ def _args(tmp_path, **over):
         config.write_text("env:\n  id: reflow/Calc-v0\n")
     values = dict(
         config=str(config), overrides=[], seeds=2, budget_minutes=1.0, target=None, out=str(tmp_path / "out"),
-        ablations=False, rows=[], report_only=False,
+        ablations=False, rows=[], only=[], report_only=False,
     )  # fmt: skip
     return argparse.Namespace(**{**values, **over})
 
@@ -349,6 +350,18 @@ def test_rows_from_the_command_line_parse_with_their_mode_and_bad_ones_are_named
         assert repr(bad) in str(e.value)
     with pytest.raises(UsageError, match="'k3' is taken"):
         parse_rows(["k3=replay.eta=1", "k3=replay.eta=2"])
+
+
+def test_only_selects_rows_in_the_tables_order_and_names_an_unknown_one():
+    rows = variants(True, parse_rows(["k3=replay.max_reuse=3"]))
+    picked = select_rows(rows, ["reflow-lend", "k3", "sync"])
+    assert [n for n, _, _ in picked] == ["sync", "reflow-lend", "k3"]
+    assert picked[1] == ("reflow-lend", "reflow", ["elastic.lend=true"])
+    assert select_rows(rows, []) == rows
+    with pytest.raises(UsageError, match=r"--only reflow-fast: not a row of this command \(rows: sync,"):
+        select_rows(rows, ["sync", "reflow-fast"])
+    with pytest.raises(UsageError, match="overrides for every row go before --only"):
+        select_rows(rows, ["sync", "eval.episodes=50"])
 
 
 def test_a_bad_row_is_a_one_line_cli_error_naming_it(tmp_path, capsys):

@@ -470,6 +470,6 @@ def test_a_move_to_training_drains_the_worker_with_the_least_work_counting_what_
     decision = SimpleNamespace(action="to_train")  # all `move_slot` reads of an `ElasticDecision`
     actuator.move_slot(decision)
     assert moved[-1][0] == 1  # without lending: the idle worker 1
-    actuator.lent = SimpleNamespace(group_size=4, served_loads=lambda slots: [0, 5][: len(slots)])
+    actuator.lent = SimpleNamespace(group_size=4, served_loads=lambda: [0, 5])
     actuator.move_slot(decision)
     assert moved[-1] == (0, "train", {"ref-a": ["g-a"]})

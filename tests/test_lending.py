@@ -410,14 +410,14 @@ def test_a_lent_engine_whose_group_went_to_a_rollout_engine_counts_it_there_and_
     events = lent.pause(3, free=[64])  # the rollout engine has room for all 4 episodes
     assert [e["what"] for e in events] == ["lent_hand_over"] and lent.handed_over == 4
     assert ray.get(actor.log.remote()) == ["hand 4 to w5 (rollout-0)"]
-    assert lent.served_loads([5]) == [4] and lent.served_loads([7]) == [0]
+    assert lent.served_loads() == [4]
     now[0] = 110.0
     lent.resume()
     now[0] = 120.0
     assert lent.busy_s() == pytest.approx(4.0)
     assert lent.pause(5, free=[60]) == [] and not lent.beside_step and lent.ran_on == 0
     assert ray.get(actor.log.remote())[-2:] == ["resume", "pause"]
-    assert lent.done("ref-g") and lent.served_loads([5]) == [0] and lent.away == set()
+    assert lent.done("ref-g") and lent.served_loads() == [0] and lent.away == set()
 
 
 def test_a_lent_engine_still_paused_at_the_next_step_hands_over_once_a_rollout_engine_has_room(local_ray):
@@ -476,17 +476,17 @@ def test_a_refresh_drops_served_episodes_that_ended_and_counts_a_fallback_home_o
     lent.started("ref-g", 0, version=3, group_id="g")
     assert [e["what"] for e in lent.pause(3, free=[8])] == ["lent_hand_over"]
     lent.resume()  # the trainer waits again; nothing of the group is on the lent engine
-    assert lent.served_loads([0]) == [4] and lent.loads() == [0] and not lent._busy.running(0)
+    assert lent.served_loads() == [4] and lent.loads() == [0] and not lent._busy.running(0)
     ray.get(actor.finish_on_target.remote(3))
     now[0] = 100.5
-    assert lent.refresh() == [] and lent.served_loads([0]) == [4]  # too soon: no call
+    assert lent.refresh() == [] and lent.served_loads() == [4]  # too soon: no call
     now[0] = 101.0
     lent.refresh()
-    assert lent.served_loads([0]) == [1]
+    assert lent.served_loads() == [1]
     ray.get(actor.fall_back.remote())  # the target left: the group's episodes are home again
     now[0] = 102.0
     lent.refresh()
-    assert lent.served_loads([0]) == [0] and lent.away == set() and lent.loads() == [1]
+    assert lent.served_loads() == [0] and lent.away == set() and lent.loads() == [1]
     assert lent._busy.running(0)  # it generates them (not paused)
     now[0] = 104.0
     assert lent.busy_s() == pytest.approx(2.0)
@@ -559,7 +559,7 @@ def test_an_engine_running_on_whose_group_falls_back_home_counts_its_seconds_bes
     lent.started("ref-r", 0, version=0, group_id="r")
     ray.get(actor.set.remote({"home": {"r": 4}, "away": {"a": {"w0": 4}}}))
     lent.refresh(force=True, ask={0})
-    assert lent.away == {"ref-a"} and lent.served_loads([0]) == [4]
+    assert lent.away == {"ref-a"} and lent.served_loads() == [4]
     assert [e["what"] for e in lent.pause(1)] == ["lent_runs_on"]  # its report was asked first
     assert ray.get(actor.count.remote()) == 2 and lent._beside.running(0)
     ray.get(actor.set.remote({"away": {"a": {"w0": 4}}}))  # r's episodes ended
@@ -601,4 +601,4 @@ def test_a_lent_engine_that_does_not_report_in_time_keeps_its_books(local_ray, m
     lent.refresh(force=True, ask={0})  # as a yield's report: the group went to the rollout engine
     ray.get(actor.slow_report.remote())
     ray.get(actor.set.remote({"home": {"g": 4}}))
-    assert lent.refresh(force=True) == [] and lent.served_loads([0]) == [4]  # the old books
+    assert lent.refresh(force=True) == [] and lent.served_loads() == [4]  # the old books

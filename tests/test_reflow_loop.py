@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from run_helpers import PARITY_ENV, QUICK_RUN, SMALL_ROLLOUT, TINY_MODEL
@@ -15,7 +16,8 @@ from run_helpers import PARITY_ENV, QUICK_RUN, SMALL_ROLLOUT, TINY_MODEL
 from reflow.policy.tail import Quantiles, TailConfig, TailPolicy
 from reflow.policy.tail_actions import CarryOver, Migrate, OverProvision
 from reflow.runtime.elastic import moved_positions
-from reflow.runtime.tail import GroupInFlight, TailGate
+from reflow.runtime.tail import GroupInFlight
+from reflow.runtime.tail_gate import TailGate, decoupled_gate
 
 TESTS = Path(__file__).parent
 
@@ -102,6 +104,45 @@ def test_tail_gate_starts_b_plus_delta_counts_the_extra_ones_and_stops_once_b_ar
     assert gate.look(5, running[:1], [1, 0], now=8.0).events == []  # still carrying over: one event
     # a new batch: over-provisioning is an event again
     assert [e["what"] for e in gate.look(0, [], [0, 0], now=9.0).events] == ["over_provision"]
+
+
+def test_a_gate_over_overlapping_batches_starts_what_admission_allows_once_b_are_done():
+    # async/reflow with tail.batch_cap=false: admission's window ((eta + 1) x B groups not yet trained)
+    # over-provisions the batch being collected instead of the cap (B + delta, none once B are done)
+    running = [_group(i, 0, 0.0) for i in range(2)]
+    capped = TailGate(TailPolicy(TailConfig(min_samples=4)), batch=4, per_worker=8)
+    assert capped.look(4, running, [2, 0], now=1.0, next_room=3).room == 0  # B done: none
+    gate = TailGate(TailPolicy(TailConfig(min_samples=4)), batch=4, per_worker=8, overlap=True)
+    look = gate.look(4, running, [2, 0], now=1.0, next_room=3)
+    assert look.room == 3 and look.only is None and look.worker() == 1  # any engine under its limit
+    assert [e["what"] for e in look.events] == ["carry_over"]  # the carry-over is still reported
+    # each is started beyond B (B done already): over-provisioned
+    assert [look.take(look.worker()) for _ in range(3)] == [True] * 3 and not look.allows()
+    # collecting: admission's room when it is the larger (B + delta - started = 4 - 3 = 1 here); the
+    # starts once B are done or in flight count as over-provisioned: 1 + 2 + 6 - 4 = 5 of the 6
+    look = gate.look(1, running, [2, 0], now=2.0, next_room=6)
+    assert look.room == 6 and look.beyond_b == 5
+    assert [look.take(w) for w in (1, 1, 0, 1, 0, 1)] == [False] + [True] * 5
+    # admission's room the smaller: the policy's stands (the loop asks admission for each start)
+    assert gate.look(0, [], [0, 0], now=3.0, next_room=2).room == 4
+    # engines freed for the next batch take its groups, as with the cap: the room is not widened
+    runtime = SimpleNamespace(cluster=None, released={"w1"}, engine_ids=lambda: ["w0", "w1"], new_batch=list)
+    freed = TailGate(TailPolicy(TailConfig(min_samples=4)), 4, 8, runtime=runtime, overlap=True)
+    look = freed.apply([CarryOver(("g0",), ("e0",), "B done")], started=5, next_room=3)
+    assert look.room == 3 and look.only == {1}
+
+
+def test_the_decoupled_loop_gate_caps_batches_unless_told_not_to():
+    from reflow.config import load_config
+
+    def gate(*overrides: str) -> TailGate:
+        config = load_config(None, [*PARITY_ENV, *TINY_MODEL, *SMALL_ROLLOUT, "mode=reflow", *overrides])
+        return decoupled_gate(SimpleNamespace(rollout=["r0"], lent=[]), config, per_worker=4)
+
+    assert not gate().overlap and gate().policy is not None  # B + delta a batch, none once B are done
+    assert gate("tail.batch_cap=false").overlap  # admission's window bounds the starts
+    off = gate("tail.enabled=false", "tail.batch_cap=false")
+    assert off.policy is None and not off.overlap
 
 
 def test_tail_gate_off_sets_no_limit_and_migrations_are_logged_not_applied():

@@ -84,8 +84,9 @@ def test_resume_after_a_sync_is_paid_only_by_engines_with_interrupted_requests()
 
 
 def test_the_tail_gate_bounds_a_batch_to_b_plus_delta_as_the_runtime_loop_does():
-    # eta 4 alone would let 5 B groups be untrained or in flight; the runtime's tail gate allows the
-    # batch being collected at most B + delta (delta <= floor(B x over_provision_max)) done or running
+    # eta 4 alone would let 5 B groups be untrained or in flight; the runtime's tail gate with its batch
+    # cap (the default) allows the batch being collected at most B + delta (delta <= floor(B x
+    # over_provision_max)) done or running
     s = scenario(
         run={"steps": 8, "warmup_steps": 1, "seed": 3},
         mode={
@@ -112,6 +113,9 @@ def test_the_tail_gate_bounds_a_batch_to_b_plus_delta_as_the_runtime_loop_does()
     B = s.batch.groups
     assert peak(s) <= B + B // 2
     assert peak(s.model_copy(update={"mode": s.mode.model_copy(update={"tail": False})})) > B + B // 2
+    # without the batch cap (`tail.batch_cap=false`) admission's window bounds it
+    uncapped = s.mode.model_copy(update={"tail_config": {"over_provision_max": 0.5, "batch_cap": False}})
+    assert B + B // 2 < peak(s.model_copy(update={"mode": uncapped})) <= 5 * B
 
 
 def test_a_drain_before_the_sync_counts_as_the_trainers_wait():

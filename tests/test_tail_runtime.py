@@ -17,7 +17,8 @@ from run_helpers import LONG_TAIL_RUN, SMALL_ROLLOUT, TINY_MODEL
 
 from reflow.policy.tail import TailConfig, TailPolicy
 from reflow.policy.tail_actions import FreeSlot, Migrate, OverProvision, SetConcurrency
-from reflow.runtime.tail import GroupInFlight, Snapshot, TailGate, TailLook, TailRuntime, tail_runtime
+from reflow.runtime.tail import GroupInFlight, Snapshot, TailRuntime
+from reflow.runtime.tail_gate import TailGate, TailLook, tail_runtime
 
 TESTS = Path(__file__).parent
 
@@ -107,6 +108,29 @@ def test_a_group_whose_episodes_all_closed_before_its_report_came_still_counts_a
     look = gate.look(0, in_flight, [1, 2], 12.0)
     over = [e for e in look.events if e["what"] == "over_provision"]
     assert over and "3 of 8 + 0 started" in over[0]["why"]  # g1, g3 and the finishing g2
+
+
+def test_the_gate_looks_through_the_runtime_only_where_an_action_can_follow():
+    # a look through the runtime asks every rollout worker's actor for its episodes, and the loop wakes
+    # for it every POLL_S: with one rollout engine and no limits to set, no action can follow
+    class Counting(RecordedRuntime):
+        polls = 0
+
+        def poll(self, now, force=False):
+            self.polls += 1
+            return []
+
+    rt = Counting(Snapshot(at=0.0, episodes=[], limits={"w0": 8, "w2": 8}))
+    gate = TailGate(TailPolicy(), batch=4, per_worker=4, group_size=2, runtime=rt)
+    gate.look(0, [], [0, 0], 1.0)
+    assert rt.polls == 1 and gate.wake_s(1) == rt.poll_s and gate.actuator.tail is rt  # two engines
+    rt.cluster.rollout_slots = rt.cluster.rollout_slots[:1]  # one rollout engine left
+    look = gate.look(0, [], [0], 2.0)
+    assert rt.polls == 1 and gate.wake_s(1) is None and gate.actuator.tail is None
+    assert look.room == 4 and look.worker() == 0  # over-provisioning still reads the group counts
+    knee = TailGate(TailPolicy(TailConfig(set_concurrency=True)), 4, 4, group_size=2, runtime=rt)
+    knee.look(0, [], [0], 3.0)
+    assert rt.polls == 2 and knee.wake_s(1) == rt.poll_s  # a limit to set: it looks
 
 
 def test_a_resume_restores_saved_limits_only_where_the_run_sets_limits():
@@ -220,14 +244,14 @@ def test_an_engine_keeps_room_for_two_groups_under_a_limit_of_less():
 def test_reflow_run_migrates_episodes_and_loses_no_group_or_episode(tmp_path, monkeypatch):
     import ray
 
-    import reflow.recipes.decoupled as decoupled
+    import reflow.runtime.tail_gate as tail_gate
     from reflow.config import load_config
     from reflow.recipes.agent_train import train
     from reflow.replay import ReplayStore
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    monkeypatch.setattr(decoupled, "TailPolicy", ScriptedTail)
+    monkeypatch.setattr(tail_gate, "TailPolicy", ScriptedTail)
     overrides = [
         *TINY_MODEL,
         *SMALL_ROLLOUT,

@@ -102,6 +102,15 @@ class TailConfig:
         ),
     )
 
+    batch_cap: bool = field(
+        default=True,
+        metadata=_doc(
+            "async/reflow: a batch starts at most B + delta groups and none once B are done (sync always "
+            "does); false: admission's window of (eta + 1) x B alone bounds the starts (on calc-tiny no "
+            "faster: docs/results.md)"
+        ),
+    )
+
     def __post_init__(self) -> None:
         if not 0.0 <= self.over_provision_max <= 1.0:
             raise ValueError(f"over_provision_max is a share of B in [0, 1], got {self.over_provision_max}")

@@ -5,7 +5,7 @@ seeds; a Markdown table and PNG plots of what each mode buys.
     reflow bench modes --config configs/calc-short.yaml KEY=VALUE ... \\
         --rows reflow-k3=replay.max_reuse=3 async-eta2=mode=async,replay.eta=2
 
-Rows: sync, async and reflow always; `--ablations` adds one part switched on or off (`ABLATIONS`):
+Rows (`bench_rows`): sync, async and reflow always; `--ablations` adds one part switched on or off:
 `sync-tail` (sync with the tail scheduler: over-provisioning and partial rollouts), `reflow-static`
 (the dual replay cycle only: static slots, no tail scheduler) and `reflow-no-tail` (the elastic pool
 on, the tail scheduler off) and `reflow-lend` (an engine lent beside the trainer rank while it
@@ -45,73 +45,17 @@ import argparse
 import hashlib
 import json
 import os
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from reflow.errors import UsageError
+from reflow.recipes.bench_rows import PILOT, PLAIN, ROWS, parse_rows, select_rows, variants
 from reflow.recipes.bench_table import plot, start_noise, table
 
-MODES = ("sync", "async", "reflow")
-PLAIN = ["elastic.enabled=null", "tail.enabled=null"]
-"""Overrides of the sync and async rows (and the sync pilot): the mode as it is, the elastic pool and
-tail scheduler at their defaults (off outside reflow), whatever the config file switches on."""
-ABLATIONS: dict[str, tuple[str, list[str]]] = {
-    "sync-tail": ("sync", ["elastic.enabled=null", "tail.enabled=true"]),
-    "reflow-static": ("reflow", ["elastic.enabled=false", "tail.enabled=false"]),
-    "reflow-no-tail": ("reflow", ["tail.enabled=false"]),
-    "reflow-lend": ("reflow", ["elastic.lend=true"]),
-}
-"""Rows with one part switched on or off: row name -> (mode, config overrides)."""
-ROWS = (*MODES, *ABLATIONS)
-"""Every built-in row, in the table's order."""
 FINAL_TASKS = 300
 """Held-out tasks of the final evaluation at least (`eval.end_episodes`)."""
-PILOT = "pilot"
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*=")
-
-
-def variants(
-    ablations: bool, rows: list[tuple[str, str, list[str]]] | None = None
-) -> list[tuple[str, str, list[str]]]:
-    """(row name, mode, overrides) of each run per seed: the built-in rows, then `rows` (`parse_rows`)."""
-    out = [(mode, mode, [] if mode == "reflow" else PLAIN) for mode in MODES]
-    if ablations:
-        out += [(name, mode, extra) for name, (mode, extra) in ABLATIONS.items()]
-    return out + list(rows or [])
-
-
-def parse_rows(items: list[str]) -> list[tuple[str, str, list[str]]]:
-    """`--rows` items, each NAME=KEY=VALUE[,KEY=VALUE...], as (name, mode, overrides); UsageError
-    naming the item when one is malformed, names a built-in row or repeats a name."""
-    out: list[tuple[str, str, list[str]]] = []
-    for item in items:
-        name, sep, rest = item.partition("=")
-        if not _NAME.fullmatch(name) or not sep or not _KEY.match(rest):
-            raise UsageError(
-                f"--rows {item!r}: expected NAME=KEY=VALUE[,KEY=VALUE...] (a name of letters, digits, "
-                "'.', '_', '-'; overrides for every row go before --rows)"
-            )
-        if name in ROWS or name == PILOT or name in [n for n, _, _ in out]:
-            raise UsageError(f"--rows {item!r}: the row name {name!r} is taken")
-        overrides: list[str] = []
-        for piece in rest.split(","):
-            if _KEY.match(piece) or not overrides:
-                overrides.append(piece)
-            else:  # a comma inside a value
-                overrides[-1] += "," + piece
-        modes = [o.partition("=")[2] for o in overrides if o.startswith("mode=")]
-        mode = modes[-1] if modes else "reflow"
-        if mode not in MODES:
-            raise UsageError(f"--rows {item!r}: mode {mode!r} is not one of {', '.join(MODES)}")
-        rest_overrides = [o for o in overrides if not o.startswith("mode=")]
-        out.append((name, mode, [*PLAIN, *rest_overrides] if mode != "reflow" else rest_overrides))
-    return out
-
-
 DEFAULT_EVERY_S = 30.0
 """Seconds between evaluation points when the config and the command line set no `eval.every_s`."""
 
@@ -300,6 +244,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(mode: the row's mode=, reflow by default; give overrides for every row before --rows)",
     )
     p.add_argument(
+        "--only",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="ROW",
+        help="run only these rows (built-in, --ablations or --rows names), e.g. --ablations --only sync "
+        "sync-tail reflow reflow-lend",
+    )
+    p.add_argument(
         "--report-only",
         action="store_true",
         help="rebuild the table and plot from OUT/bench_modes.json, or the runs stored in OUT/runs "
@@ -342,7 +295,7 @@ def cmd_bench_modes(args: argparse.Namespace) -> int:
     else:
         if args.seeds < 1:
             raise UsageError(f"--seeds {args.seeds}: at least one seed")
-        rows = variants(args.ablations, parse_rows(args.rows))
+        rows = select_rows(variants(args.ablations, parse_rows(args.rows)), args.only)
         jobs = [
             make_job(args.config, name, mode, seed, [*args.overrides, *extra], budget)
             for seed in range(args.seeds)

@@ -11,10 +11,12 @@
   share rises while the trainer waits and falls when importance weights degrade. Also on by default
   in reflow (`elastic.enabled` / `tail.enabled` switch them off for ablations; `reflow.runtime`): the
   elastic pool may move one slot between rollout and training at each version boundary, and the
-  tail scheduler keeps B + delta groups of a batch started (delta from the tail's heaviness) and lets
-  a step start on the first B done, the rest carrying over into the next step; in a batch's tail it
-  migrates stragglers onto fewer engines, starts the next batch's groups on the engines freed, and
-  keeps each engine's concurrency at the knee of its measured tokens/s curve.
+  tail scheduler acts on each batch's tail: it migrates stragglers onto fewer engines, frees engines
+  and (opt-in) keeps each engine's concurrency at the knee of its measured tokens/s curve. A step
+  starts on the first B groups done, the rest carrying over. Admission's window, up to (eta + 1) x B
+  groups not yet trained, over-provisions a batch; the tail's cap of B + delta groups a batch (and
+  none once B are done) applies where it pays (`tail.batch_cap`: by default not on the CPU, whose
+  engine gains tokens/s up to its limit; `TailGate`'s `overlap` when off).
 
 One driver loop: top up rollouts to what admission allows, start a train step when a batch can be
 planned, then wait for whichever finishes first (a group, the step, a weight push). With a time
@@ -36,7 +38,6 @@ import ray
 
 from reflow.config import RunConfig
 from reflow.policy.dual_cycle import AdmissionControl, ReplayShare
-from reflow.policy.tail import TailPolicy
 from reflow.recipes.checkpoints import after_step
 from reflow.recipes.loop_counters import Arrivals, BusyClock, saved_durations
 from reflow.recipes.run_log import RunLog, step_record
@@ -46,7 +47,8 @@ from reflow.runtime.cluster import Cluster
 from reflow.runtime.elastic import ElasticDriver, moved_positions
 from reflow.runtime.lending import LentEngines
 from reflow.runtime.replay_service import PlannedBatch, cycle_config
-from reflow.runtime.tail import GroupInFlight, TailGate, tail_runtime
+from reflow.runtime.tail import GroupInFlight
+from reflow.runtime.tail_gate import TailGate, decoupled_gate
 from reflow.runtime.workers import GroupReport
 
 
@@ -85,9 +87,7 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
         if config.elastic.active(config.mode)
         else None
     )
-    tail = TailGate(
-        _tail_policy(config), B, per_worker, config.rollout.group_size, tail_runtime(cluster, config)
-    )
+    tail = decoupled_gate(cluster, config, per_worker)  # without the batch cap, admission bounds starts
     busy_before = state.rollout_busy_s
     uses = ray.get(cluster.replay.reuse_histogram.remote(spread=True))  # groups with spread, by uses
     got = Arrivals(accepted=sum(uses.values()))
@@ -99,6 +99,9 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
     def in_flight() -> int:  # groups generating, on rollout workers and lent engines
         return len(rollouts) + (lent.in_flight if lent else 0)
 
+    def admits(version: int) -> bool:  # admission lets a group start on an engine confirming `version`
+        return admission.may_start(version, got.accepted, in_flight(), trained[version])
+
     trained = {state.version: got.accepted - uses.get(0, 0)}  # version -> fresh groups trained by then
     step: StepInFlight | None = None
     waiting_since = time.monotonic()
@@ -108,15 +111,15 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
         # fresh groups waiting; below 0 for a moment when a step took a group stored before its
         # report reached the loop (that group still counts as in flight)
         fresh = max(0, got.accepted - trained[state.version] - (step.fresh if step else 0))
-        # tail: how many more groups the batch being collected may start (B + delta; none once B
-        # done) and where; in its tail, stragglers migrate, freed engines take the next batch's
-        # groups (as admission allows) and (tail.set_concurrency) limits follow their measured knee
+        # tail: how many more groups the batch being collected may start (B + delta, none once B are
+        # done; without the batch cap as admission allows) and where; in a batch's tail stragglers
+        # migrate, engines are freed and (tail.set_concurrency) limits follow their measured knee
         confirmed = weights.rollout_confirmed  # = admission_version(w) for every rollout worker w
         room = admission.room(confirmed, got.accepted, in_flight(), trained[confirmed])
         served: list[int] = []  # sequences the rollout engines run for lent engines (handed over)
         if lent is not None:
             _log_events(log, state, "elastic", lent.refresh())
-            served = _serve(lent, cluster, workers)
+            served = _serve(lent, workers)
         gate = tail.look(
             fresh,
             list(rollouts.values()),
@@ -134,7 +137,7 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
             can_step
             and gate.allows()
             and (w := gate.worker()) is not None
-            and admission.may_start(confirmed, got.accepted, in_flight(), trained[confirmed])
+            and admits(confirmed)
             and not out_of_time(budget, now, got.mean_seconds + step_s)
         ):
             state.tail_over_provisioned += gate.take(w)
@@ -155,17 +158,11 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
             if step is not None and tail.policy is not None and rollouts:  # lent groups pause apart
                 _carry_over(log, state, step, len(rollouts))
             if step is not None and lent is not None:  # the rollout workers run what was handed over
-                _serve(lent, cluster, workers)
+                _serve(lent, workers)
         if lent is not None and step is None:  # the trainer waits: its lent engines generate
             lent.resume()
-            while can_step and (e := lent.free()) is not None:  # what admission leaves (not the gate's)
-                version = weights.admission_version(len(cluster.rollout) + e)  # its own weights
-                if not admission.may_start(
-                    version, got.accepted, in_flight(), trained[version]
-                ) or out_of_time(budget, now, got.mean_seconds + step_s):
-                    break
-                ref, group = _launch(cluster, cluster.lent[e], e, version, state)
-                lent.started(ref, e, version, group.group_id)
+            if can_step and not out_of_time(budget, now, got.mean_seconds + step_s):
+                _lend(cluster, state, lent, weights, admits)
         if step is None and (not can_step or not (in_flight() or weights.refs)):
             break  # no step running, and none can start or get data
         lent_refs = list(lent.groups) if lent else []
@@ -195,12 +192,7 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
             tail.observe(got.seconds, got.episode_seconds)
         state.rollout_busy_s = busy_before + workers.total()
         if lent is not None:
-            state.lent_busy_s, state.lent_stored_s, state.lent_yields, state.lent_handed_over = (
-                lent.busy_s(),
-                lent.stored_s(),
-                lent.pauses,
-                lent.handed_over,
-            )
+            lent.count_into(state)
     # The run's final checkpoint (after the loop) keeps the state the run ended with: a run that ends
     # on its time budget may have written no periodic checkpoint since its last changes, or none.
     state.scheduler = saved()
@@ -213,12 +205,30 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
     weights.wait_all()  # the final evaluation and checkpoint see engines on the last weights
 
 
-def _serve(lent: LentEngines, cluster: Cluster, workers: BusyClock) -> list[int]:
+def _serve(lent: LentEngines, workers: BusyClock) -> list[int]:
     """The sequences each rollout worker's engine runs for lent engines (by position), counted in its
     busy time."""
-    served = lent.served_loads([s.index for s in cluster.rollout_slots])
+    served = lent.served_loads()
     workers.serve(served)
     return served
+
+
+def _lend(
+    cluster: Cluster,
+    state: RunState,
+    lent: LentEngines,
+    weights: WeightPusher,
+    may_start: Callable[[int], bool],
+) -> None:
+    """The trainer waits: start groups on the lending engines with room, each from the weights its own
+    engine confirmed, while admission allows (`may_start(version)`; not the tail gate's count, which is
+    the rollout workers' share of a batch)."""
+    while (e := lent.free()) is not None:
+        version = weights.admission_version(len(cluster.rollout) + e)
+        if not may_start(version):
+            return
+        ref, group = _launch(cluster, cluster.lent[e], e, version, state)
+        lent.started(ref, e, version, group.group_id)
 
 
 def _yield_lent(
@@ -227,10 +237,6 @@ def _yield_lent(
     """At a step's start the lent engines yield, handing what fits the rollout engines' `free`
     sequences (by position) over to those holding weights no older than theirs (`confirmed`)."""
     _log_events(log, state, "elastic", lent.pause(state.version, free, confirmed))
-
-
-def _tail_policy(config: RunConfig) -> TailPolicy | None:
-    return TailPolicy(config.tail.policy_config()) if config.tail.active(config.mode) else None
 
 
 def _log_events(log: RunLog, state: RunState, kind: str, events: list[dict[str, Any]]) -> None:

@@ -48,7 +48,8 @@ from reflow.recipes.loop_counters import saved_durations
 from reflow.recipes.run_log import RunLog
 from reflow.recipes.run_state import RunState, next_seeds, observe_tasks
 from reflow.runtime.cluster import Cluster
-from reflow.runtime.tail import GroupInFlight, TailGate, tail_runtime
+from reflow.runtime.tail import GroupInFlight
+from reflow.runtime.tail_gate import TailGate, tail_runtime
 from reflow.runtime.workers import GroupReport
 
 CANCEL_TIMEOUT_S = 30.0

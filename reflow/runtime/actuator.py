@@ -53,7 +53,7 @@ class RayActuator:
             for worker, _ in self.in_flight.values():
                 counts[worker] += 1
             if self.lent is not None:  # episodes a lent engine handed over, as the groups they fill
-                served = self.lent.served_loads([s.index for s in self.cluster.rollout_slots])
+                served = self.lent.served_loads()
                 counts = [n + -(-k // self.lent.group_size) for n, k in zip(counts, served, strict=True)]
             worker = worker_to_drain(counts)
             slot: int | str = self.cluster.rollout_slots[worker].index

@@ -172,14 +172,25 @@ class LentEngines:
         """Engines with a group of which some episode is still on them."""
         return {e for ref, (e, _) in self.groups.items() if ref not in self.away}
 
-    def served_loads(self, slots: list[int]) -> list[int]:
-        """Episodes handed over and still in flight, by rollout position (`slots`: each position's slot
-        index), what the rollout engines' loads leave out (they count their own episodes)."""
+    def served_loads(self) -> list[int]:
+        """Episodes handed over and still in flight, by rollout worker position (`cluster.rollout`), what
+        the rollout engines' loads leave out (they count their own episodes)."""
         per_slot: dict[int, int] = {}
         for moved in self.served.values():
             for slot, n in moved.items():
                 per_slot[slot] = per_slot.get(slot, 0) + n
-        return [per_slot.get(s, 0) for s in slots]
+        return [per_slot.get(s.index, 0) for s in self.cluster.rollout_slots]
+
+    def _rollout_names(self) -> dict[str, int]:
+        """Each rollout engine's name (what reports and hand-overs name it by) -> its slot index, in
+        rollout worker order."""
+        return {engine_name(s.index): s.index for s in self.cluster.rollout_slots}
+
+    def count_into(self, state: Any) -> None:
+        """Write the run's lending counters into the loop's `RunState` (what checkpoints and the summary
+        keep)."""
+        state.lent_busy_s, state.lent_stored_s = self.busy_s(), self.stored_s()
+        state.lent_yields, state.lent_handed_over = self.pauses, self.handed_over
 
     def pause(
         self, version: int, free: Sequence[int] = (), confirmed: Sequence[int] = ()
@@ -243,7 +254,7 @@ class LentEngines:
             [confirmed[n + e] for e in asked] if confirmed else (),
             confirmed[:n],
         )
-        names = {engine_name(s.index): s.index for s in self.cluster.rollout_slots}
+        names = self._rollout_names()
         slots = list(names.values())
         calls = []
         for e, (w, k) in zip(asked, plan, strict=True):
@@ -270,7 +281,7 @@ class LentEngines:
         engines = sorted(holding | self._handing | (ask or set()))
         if not engines:
             return []
-        names = {engine_name(s.index): s.index for s in self.cluster.rollout_slots}
+        names = self._rollout_names()
         calls = {self.cluster.lent[e].lent_report.remote(): e for e in engines}
         ready, _ = ray.wait(list(calls), num_returns=len(calls), timeout=REPORT_TIMEOUT_S)
         events = []

@@ -226,7 +226,7 @@ def make_tail(m: ModeConfig) -> TailPolicy:
 
 class SimTailGate:
     """How many more groups the batch being collected may start, as the runtime's tail gate
-    (`reflow.runtime.tail.TailGate`) reads TailPolicy: the `start` of its OverProvision (at most
+    (`reflow.runtime.tail_gate.TailGate`) reads TailPolicy: the `start` of its OverProvision (at most
     B + delta groups done or in flight), 0 when it asks for none (B done: carry over). The
     observation is the runtime's: one entry per group in flight, no per-episode progress. The last
     answer is kept by what it depends on (fresh groups with spread, groups in flight, completed group

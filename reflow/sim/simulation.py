@@ -65,7 +65,8 @@ class Simulation:
         self.elastic = policies.ElasticStep(policies.make_elastic(s, m)) if m.elastic else None
         tail = policies.make_tail(m) if m.tail else None
         self.tail = tail
-        self.tail_gate = policies.SimTailGate(tail, self.B) if tail is not None else None
+        capped = tail is not None and (m.mode == "sync" or tail.cfg.batch_cap)  # `tail.batch_cap`
+        self.tail_gate = policies.SimTailGate(tail, self.B) if capped else None
         self.lending = SimLending.of(self)  # engines lent beside the trainer ranks, or None
         self.actuator = policies.SimActuator(self)  # what applies the policies' decisions
         self.events: list[tuple[float, int, str, object, int]] = []
