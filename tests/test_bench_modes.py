@@ -305,6 +305,19 @@ def test_the_pilot_runs_first_on_an_unmeasured_seed_and_its_targets_are_on_disk_
     assert "time to target (s)" in (out / "bench_modes.md").read_text()
 
 
+def test_only_runs_the_rows_named_and_the_table_keeps_every_run_stored(tmp_path, monkeypatch):
+    from reflow.recipes import bench_modes
+
+    calls = _fake_runs(monkeypatch)
+    assert bench_modes.cmd_bench_modes(_args(tmp_path, seeds=1, target=0.5, only=["sync", "reflow"])) == 0
+    assert [c[:3] for c in calls] == [("sync", "sync", 0), ("reflow", "reflow", 0)]
+    calls.clear()  # a later call for another row: only it runs; the report holds all three
+    assert bench_modes.cmd_bench_modes(_args(tmp_path, seeds=1, target=0.5, only=["async"])) == 0
+    assert [c[:3] for c in calls] == [("async", "async", 0)]
+    report = json.loads((tmp_path / "out" / "bench_modes.json").read_text())
+    assert [r["mode"] for r in report["results"]] == ["sync", "async", "reflow"]
+
+
 def test_every_run_gets_a_final_evaluation_on_at_least_300_held_out_tasks(tmp_path, monkeypatch):
     from reflow.recipes import bench_modes
 

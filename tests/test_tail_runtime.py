@@ -133,6 +133,42 @@ def test_the_gate_looks_through_the_runtime_only_where_an_action_can_follow():
     assert rt.polls == 2 and knee.wake_s(1) == rt.poll_s  # a limit to set: it looks
 
 
+def test_the_runtime_starts_afresh_when_the_gate_acts_through_it_again():
+    # the elastic pool took a rollout engine away and gave one back: what the runtime knew before (an
+    # engine freed for the next batch, groups seen) no longer holds
+    class Polled(RecordedRuntime):
+        polls = 0
+
+        def poll(self, now, force=False):
+            self.polls += 1
+            if self.snapshot is None:
+                self.snapshot = Snapshot(at=now, episodes=[], limits={"w0": 8, "w2": 8})
+            return []
+
+    rt = Polled(Snapshot(at=0.0, episodes=[], limits={"w0": 8, "w2": 8}))
+    gate = TailGate(TailPolicy(), batch=4, per_worker=4, group_size=2, runtime=rt)
+    gate.look(0, [], [0, 0], 1.0)
+    rt.released.add("w2")
+    rt.seen.add("g-old")
+    both = rt.cluster.rollout_slots
+    rt.cluster.rollout_slots = both[:1]
+    gate.look(0, [], [0], 2.0)  # one engine: the gate does not act through the runtime
+    assert rt.released == {"w2"} and rt.polls == 1
+    rt.cluster.rollout_slots = both
+    look = gate.look(0, [], [0, 0], 3.0)
+    assert rt.released == set() and "g-old" not in rt.seen and rt.polls == 2 and look.only is None
+
+
+def test_a_look_that_migrated_does_not_widen_an_overlapping_batch():
+    # the loads it read are from before the migrations: the next look, with fresh loads, widens
+    rt = RecordedRuntime(Snapshot(at=0.0, episodes=[_ep("a", "g1", "w0")], limits={"w0": 8, "w2": 8}))
+    gate = TailGate(TailPolicy(), batch=4, per_worker=4, group_size=2, runtime=rt, overlap=True)
+    look = gate.apply([Migrate("a", "w0", "w2", 100, "consolidate")], started=6, next_room=3)
+    assert look.migrations == 1 and look.room == 0
+    look = gate.apply([], started=6, next_room=3)
+    assert look.room == 3 and look.only is None
+
+
 def test_a_resume_restores_saved_limits_only_where_the_run_sets_limits():
     saved = {"limits": {"w0": 3, "w9": 5}}  # w9: no such engine now
     rt = RecordedRuntime(Snapshot(at=0.0, episodes=[]))

@@ -250,7 +250,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=[],
         metavar="ROW",
         help="run only these rows (built-in, --ablations or --rows names), e.g. --ablations --only sync "
-        "sync-tail reflow reflow-lend",
+        "sync-tail reflow reflow-lend; the table then holds every run stored in --out",
     )
     p.add_argument(
         "--report-only",
@@ -268,7 +268,7 @@ def _report_inputs(out: Path) -> tuple[list[dict[str, Any]], float | None, dict[
         saved = json.loads(report.read_text())
         return saved["results"], saved.get("budget_minutes"), saved.get("targets")
     runs = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
-    results = [r for r in runs if r["mode"] != PILOT]
+    results = _measured(runs)
     if not results:
         raise UsageError(f"--report-only: no bench_modes.json and no stored runs in {out}")
     targets_file = out / "targets.json"
@@ -277,9 +277,14 @@ def _report_inputs(out: Path) -> tuple[list[dict[str, Any]], float | None, dict[
         targets = json.loads(targets_file.read_text())["targets"]
     else:  # runs copied without it (e.g. from an archive): the stored pilot fixes the same targets
         targets = pilot_targets(pilots[0]) if pilots else None
-    rank = {name: i for i, name in enumerate(ROWS)}  # built-in rows in the table's order, then the others
-    results.sort(key=lambda r: (r["seed"], rank.get(r["mode"], len(rank)), r["mode"]))
     return results, results[0]["spec"]["budget_minutes"], targets
+
+
+def _measured(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The measured runs (not the pilot), by seed, built-in rows in the table's order, then the others."""
+    rank = {name: i for i, name in enumerate(ROWS)}
+    results = [r for r in runs if r["mode"] != PILOT]
+    return sorted(results, key=lambda r: (r["seed"], rank.get(r["mode"], len(rank)), r["mode"]))
 
 
 def cmd_bench_modes(args: argparse.Namespace) -> int:
@@ -315,6 +320,9 @@ def cmd_bench_modes(args: argparse.Namespace) -> int:
         (out / "targets.json").write_text(json.dumps({"targets": targets, "pilot": pilot}, default=str))
         console.print(f"targets (fixed before the measured runs): {targets}")
         results = [run_or_reuse(args.config, job, budget, out, console.print) for job in jobs]
+        if args.only:  # the table holds every run stored in OUT, those of earlier calls too
+            stored = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
+            results = _measured(stored)
     markdown = table(results, targets, budget)
     (out / "bench_modes.md").write_text(markdown)
     report = {"targets": targets, "budget_minutes": budget, "results": results}

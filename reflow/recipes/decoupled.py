@@ -11,12 +11,12 @@
   share rises while the trainer waits and falls when importance weights degrade. Also on by default
   in reflow (`elastic.enabled` / `tail.enabled` switch them off for ablations; `reflow.runtime`): the
   elastic pool may move one slot between rollout and training at each version boundary, and the
-  tail scheduler acts on each batch's tail: it migrates stragglers onto fewer engines, frees engines
-  and (opt-in) keeps each engine's concurrency at the knee of its measured tokens/s curve. A step
-  starts on the first B groups done, the rest carrying over. Admission's window, up to (eta + 1) x B
-  groups not yet trained, over-provisions a batch; the tail's cap of B + delta groups a batch (and
-  none once B are done) applies where it pays (`tail.batch_cap`: by default not on the CPU, whose
-  engine gains tokens/s up to its limit; `TailGate`'s `overlap` when off).
+  tail scheduler keeps B + delta groups of a batch started (delta from the tail's heaviness) and lets
+  a step start on the first B done, the rest carrying over into the next step; in a batch's tail it
+  migrates stragglers onto fewer engines, starts the next batch's groups on the engines freed, and
+  (opt-in) keeps each engine's concurrency at the knee of its measured tokens/s curve. With
+  `tail.batch_cap=false` admission's window, up to (eta + 1) x B groups not yet trained, alone bounds
+  the starts (`TailGate`'s `overlap`).
 
 One driver loop: top up rollouts to what admission allows, start a train step when a batch can be
 planned, then wait for whichever finishes first (a group, the step, a weight push). With a time

@@ -99,6 +99,15 @@ class TailRuntime:
 
     # -- looking -----------------------------------------------------------------------------------------
 
+    def restart(self) -> None:
+        """The gate looks through this runtime again after looks without it (one rollout engine for a
+        while): nothing it knew then holds. Freed engines are ordinary again, the groups seen before are
+        forgotten (one in flight and not in the next snapshot counts by placeholders, not as
+        finishing), and the next look polls afresh. Migrations measured meanwhile come with that poll."""
+        self.released.clear()
+        self.seen.clear()
+        self.snapshot = None
+
     def poll(self, now: float, force: bool = False) -> list[dict[str, Any]]:
         """A new snapshot when `POLL_S` passed (or `force`); the events of migrations measured since."""
         if not force and self.snapshot is not None and now - self.snapshot.at < self.poll_s:

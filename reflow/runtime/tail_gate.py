@@ -161,11 +161,15 @@ class TailGate:
 
     def acting(self) -> TailRuntime | None:
         """The runtime where it can act now, else None: a migration needs a second rollout engine, a
-        limit `tail.set_concurrency`. Without one the gate reads group counts (over-provisioning and
-        carry-over, as with no runtime): a look through the runtime asks every rollout worker's actor
-        for its episodes while its engine generates, and the loop wakes for it every `POLL_S`, for
-        nothing where no action can follow (one rollout engine, the CPU's two-slot layout). Asked at
-        every look: the elastic pool may add a rollout engine."""
+        limit `tail.set_concurrency`. A look through the runtime asks every rollout worker's actor for
+        its episodes while its engine generates, and the loop wakes for it every `POLL_S`: on one
+        engine with no limit to set (the CPU's two-slot layout) that cost a tenth of generation and no
+        action could follow. Without it the gate reads group counts, as with no runtime: a group in
+        flight counts whole in its engine's load until its report comes (the runtime counts only the
+        sequences still running), so the engine looks fuller while a group's last episodes finish,
+        and no engine is freed for the next batch. Asked at every look: the elastic pool may add a
+        rollout engine (the runtime then starts afresh, `TailRuntime.restart`). The sync loop builds
+        no runtime for one worker at all (its engine keeps its limit)."""
         rt = self.runtime
         if rt is None or (len(rt.cluster.rollout_slots) < 2 and not self._sets_limits()):
             return None
@@ -199,7 +203,10 @@ class TailGate:
             return TailLook(None, loads=seqs, limits=limits, group_size=self.group_size)
         events: list[dict[str, Any]] = []
         prefill, finishing = 0.0, 0
-        rt = self.actuator.tail = self.acting()  # per-episode actions only where one can follow
+        rt = self.acting()  # per-episode actions only where one can follow
+        if rt is not None and self.actuator.tail is not rt:  # acting again: nothing from before holds
+            rt.restart()
+        self.actuator.tail = rt
         if rt is not None:  # the workers' progress: episodes, engine limits and curves
             events += rt.poll(now)
             episodes, seqs, limits = rt.observe(in_flight, now)
