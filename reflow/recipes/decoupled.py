@@ -87,7 +87,7 @@ def decoupled_loop(cluster: Cluster, config: RunConfig, log: RunLog, state: RunS
         if config.elastic.active(config.mode)
         else None
     )
-    tail = decoupled_gate(cluster, config, per_worker)  # without the batch cap, admission bounds starts
+    tail = decoupled_gate(cluster, config, per_worker)  # B + delta a batch (tail.batch_cap), or admission
     busy_before = state.rollout_busy_s
     uses = ray.get(cluster.replay.reuse_histogram.remote(spread=True))  # groups with spread, by uses
     got = Arrivals(accepted=sum(uses.values()))
