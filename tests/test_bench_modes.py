@@ -262,7 +262,7 @@ def _args(tmp_path, **over):
         config.write_text("env:\n  id: reflow/Calc-v0\n")
     values = dict(
         config=str(config), overrides=[], seeds=2, budget_minutes=1.0, target=None, out=str(tmp_path / "out"),
-        ablations=False, rows=[], only=[], report_only=False,
+        ablations=False, rows=[], only=[], report_only=False, final_tasks=None,
     )  # fmt: skip
     return argparse.Namespace(**{**values, **over})
 
@@ -332,6 +332,16 @@ def test_every_run_gets_a_final_evaluation_on_at_least_300_held_out_tasks(tmp_pa
     args.overrides = ["eval.pass_at=8", "eval.end_episodes=500", "eval.every_s=20"]
     assert bench_modes.cmd_bench_modes(args) == 0
     assert all(c[4][-2:] == ["eval.pass_at=8", "eval.end_episodes=500"] for c in calls)
+    calls.clear()  # --final-tasks sets the measurement's tasks (a long-episode testbed), the config's too
+    args = _args(tmp_path, seeds=1, target=0.5, out=str(tmp_path / "o4"), final_tasks=100)
+    assert bench_modes.cmd_bench_modes(args) == 0
+    assert calls and all(c[4][-3] == "eval.end_episodes=100" for c in calls)
+    args.overrides, args.out = ["eval.end_episodes=150"], str(tmp_path / "o5")
+    calls.clear()
+    assert bench_modes.cmd_bench_modes(args) == 0
+    assert calls and all(c[4][-3] == "eval.end_episodes=100" for c in calls)  # given: it decides
+    with pytest.raises(UsageError, match=r"--final-tasks 0: at least one task"):
+        bench_modes.cmd_bench_modes(_args(tmp_path, final_tasks=0, out=str(tmp_path / "o6")))
     with pytest.raises(UsageError, match=r"eval\.episodes must be > 0"):
         bench_modes.cmd_bench_modes(_args(tmp_path, overrides=["eval.episodes=0"], out=str(tmp_path / "o3")))
 

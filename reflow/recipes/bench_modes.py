@@ -23,7 +23,7 @@ evaluation at or above a target, and the targets are fixed before the measured r
 or (the default) a pilot run of mode sync on a seed outside the measured ones (seed N for `--seeds
 N`), whose gain at the budget sets three targets, start + 50%, 75% and 90% of it (`pilot_targets`),
 written to `OUT/targets.json` before the first measured run. The final held-out success is measured
-after the run on at least `FINAL_TASKS` held-out tasks (greedy; the `eval.pass_at` measurement on
+after the run on at least `FINAL_TASKS` held-out tasks (or `--final-tasks`; greedy; the `eval.pass_at` measurement on
 `eval.end_episodes` tasks, which the benchmark turns on), while the curve's points keep
 `eval.episodes`. That measurement is taken at the start only in the pilot: every run starts from the
 same warm start, so the measured runs would repeat its figure.
@@ -60,15 +60,21 @@ DEFAULT_EVERY_S = 30.0
 """Seconds between evaluation points when the config and the command line set no `eval.every_s`."""
 
 
-def _final_eval_overrides(config_path: str, overrides: list[str]) -> list[str]:
+def _final_eval_overrides(
+    config_path: str, overrides: list[str], final_tasks: int | None = None
+) -> list[str]:
     """Overrides that make the end-of-run measurement (`eval.pass_at`, greedy on `eval.end_episodes`
-    tasks) run on at least FINAL_TASKS tasks, keeping the config's own when larger."""
+    tasks) run on at least FINAL_TASKS tasks, keeping the config's own when larger; on `final_tasks`
+    (`--final-tasks`) when given."""
     from reflow.config import load_config
 
     ev = load_config(config_path, overrides).eval
     if not ev.episodes:
         raise UsageError("the benchmark measures held-out success: eval.episodes must be > 0")
-    final = [f"eval.pass_at={max(ev.pass_at, 1)}", f"eval.end_episodes={max(ev.end_episodes, FINAL_TASKS)}"]
+    final = [
+        f"eval.pass_at={max(ev.pass_at, 1)}",
+        f"eval.end_episodes={final_tasks or max(ev.end_episodes, FINAL_TASKS)}",
+    ]
     # Modes are compared on one clock: evaluation points on a wall-clock grid, so a mode that steps
     # faster is not also evaluated more often (a config evaluating every N steps gets the default grid).
     clock = [] if ev.every_s is not None else ["eval.every=0", f"eval.every_s={DEFAULT_EVERY_S:g}"]
@@ -132,11 +138,18 @@ class Job:
 
 
 def make_job(
-    config_path: str, name: str, mode: str, seed: int, overrides: list[str], budget_minutes: float
+    config_path: str,
+    name: str,
+    mode: str,
+    seed: int,
+    overrides: list[str],
+    budget_minutes: float,
+    final_tasks: int | None = None,
 ) -> Job:
     """The job of row `name` on `seed`: `overrides` (the command line's, then the row's) plus the final
-    evaluation's."""
-    overrides = [*overrides, *_final_eval_overrides(config_path, [*overrides, f"mode={mode}"])]
+    evaluation's (on `final_tasks` held-out tasks when given)."""
+    final = _final_eval_overrides(config_path, [*overrides, f"mode={mode}"], final_tasks)
+    overrides = [*overrides, *final]
     spec = {
         "config_sha256": hashlib.sha256(Path(config_path).read_bytes()).hexdigest(),
         "mode": mode,
@@ -224,6 +237,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="held-out success target fixed by hand (default: three from a sync pilot run, see the module docs)",
     )
     p.add_argument(
+        "--final-tasks",
+        type=int,
+        help=f"the end-of-run measurement's held-out tasks (default: the config's eval.end_episodes, at "
+        f"least {FINAL_TASKS}): fewer where long episodes make it cost more than the run itself",
+    )
+    p.add_argument(
         "--out",
         default="runs/bench-modes",
         help="results (each run in OUT/runs/ as it finishes); a re-run with it skips the runs done",
@@ -300,15 +319,18 @@ def cmd_bench_modes(args: argparse.Namespace) -> int:
     else:
         if args.seeds < 1:
             raise UsageError(f"--seeds {args.seeds}: at least one seed")
+        if args.final_tasks is not None and args.final_tasks < 1:
+            raise UsageError(f"--final-tasks {args.final_tasks}: at least one task")
         rows = select_rows(variants(args.ablations, parse_rows(args.rows)), args.only)
         jobs = [
-            make_job(args.config, name, mode, seed, [*args.overrides, *extra], budget)
+            make_job(args.config, name, mode, seed, [*args.overrides, *extra], budget, args.final_tasks)
             for seed in range(args.seeds)
             for name, mode, extra in rows
         ]
         pilot_job = None
         if args.target is None:
-            pilot_job = make_job(args.config, PILOT, "sync", args.seeds, [*args.overrides, *PLAIN], budget)
+            plain = [*args.overrides, *PLAIN]
+            pilot_job = make_job(args.config, PILOT, "sync", args.seeds, plain, budget, args.final_tasks)
         for job in [pilot_job, *jobs] if pilot_job else jobs:  # refuse a mismatch before running anything
             stored_result(job, out)
         out.mkdir(parents=True, exist_ok=True)
