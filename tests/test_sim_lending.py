@@ -2,12 +2,15 @@
 T_lend of reflow/policy/lending.py predicts, a trainer-bound one keeps its engine where lending costs
 it nothing and has it reclaimed by the elastic policy where the steps it runs on beside cost more than
 lending gives, lent engines generate during a step only when they run on past eta, the trainer's step
-is slower by 1 - sync.lend_beside_slowdown beside them, no group is lost, and with lending off nothing
-changes."""
+is slower by 1 - sync.lend_beside_slowdown beside them, a yielding engine hands over what the rollout
+engines have free sequences for (the runtime's plan) and those episodes end there, no group is lost,
+and with lending off nothing changes."""
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,6 +19,7 @@ from reflow.policy.elastic import ElasticDecision
 from reflow.policy.lending import lent_throughput
 from reflow.sim.config import validate_scenario
 from reflow.sim.from_run import scenario_for
+from reflow.sim.lending import free_sequences
 from reflow.sim.measured import RunMeasurement
 from reflow.sim.plan import plan
 from reflow.sim.simulation import Simulation, simulate
@@ -96,7 +100,7 @@ def test_a_rollout_bound_run_gains_what_the_lending_formula_predicts():
     assert on["trainer_idle_ratio"] > 0.4 and "lent_busy_s" not in off
 
 
-def test_the_trainer_pays_a_hand_over_per_yield_and_the_slowdown_only_beside_a_running_engine():
+def test_the_trainer_pays_a_switch_per_yield_and_the_slowdown_only_beside_a_running_engine():
     """Every step of 16 samples x 400 tokens at 12000 tokens/s takes 0.533 s alone or when a lent
     engine yields to it, plus `sync.lend_switch_s`; 0.533 / (1 - 0.35) with an engine running on
     beside it. The policy observes the trainer's busy seconds and samples in the steps no engine ran
@@ -126,11 +130,14 @@ def test_the_trainer_pays_a_hand_over_per_yield_and_the_slowdown_only_beside_a_r
     assert window.beside_s == pytest.approx(ran_on * step_s / 0.65)
 
 
-def run_checked(s) -> tuple[Simulation, list[int], list[str]]:
-    """Run `s` event by event; at each step start note which lent engines run on beside it (and how old
-    their oldest group is), and after every event check that no other lent engine decodes while the
-    trainer is busy. Returns the simulation, the run-on ages and the violations."""
-    sim = Simulation(s)
+def run_checked(
+    s, sim: Simulation | None = None, check: Callable[[Simulation], list[str]] | None = None
+) -> tuple[Simulation, list[int], list[str]]:
+    """Run `s` (or `sim`, built from it) event by event; at each step start note which lent engines run
+    on beside it (and how old their oldest group with an episode at home is), and after every event
+    check that no other lent engine decodes while the trainer is busy (and `check`'s violations).
+    Returns the simulation, the run-on ages and the violations."""
+    sim = sim or Simulation(s)
     lending = sim.lending
     assert lending is not None
     allowed: set[int] = set()
@@ -141,7 +148,7 @@ def run_checked(s) -> tuple[Simulation, list[int], list[str]]:
         out = step_starts(version, seconds, tokens, samples)
         allowed.clear()
         for e in lending.engines:
-            mine = [g.version for g in lending.groups.values() if g.lent is e]
+            mine = [g.version for g in lending.groups.values() if g.lent is e and g.pending > g.episodes_away]
             if mine and not e.paused:
                 allowed.add(e.eid)
                 ages.append(version - min(mine))
@@ -155,6 +162,8 @@ def run_checked(s) -> tuple[Simulation, list[int], list[str]]:
         at, _, kind, obj, token = heapq.heappop(sim.events)
         sim.now = at
         sim.handlers[kind](obj, token)
+        if check is not None:
+            violations += check(sim)
         if sim.trainer.busy:
             violations += [
                 f"t={sim.now:.3f}: lent engine {e.eid} decodes during a step"
@@ -288,3 +297,72 @@ def test_plan_ranks_lending_on_and_off():
     # rollout-bound, idle trainer: lending pays, its engines taking groups (2 an engine)
     assert best.lend and best.mode != "sync" and best.summary["lent_groups"] > 0
     assert best.trained_tok_s > 1.2 * max(r.trained_tok_s for r in rows if not r.lend)
+
+
+def test_the_rollout_engines_free_sequences_are_their_limit_less_what_runs_and_waits():
+    """Each engine's limit (the per-worker groups times the group size, else its max_running) less the
+    sequences it runs; the requests waiting for a rollout engine take the most room first."""
+    engines = [SimpleNamespace(max_running=64, b=10), SimpleNamespace(max_running=64, b=30)]
+    assert free_sequences(engines, 32, 0) == [22, 2]
+    assert free_sequences(engines, 32, 5) == [17, 2]
+    assert free_sequences(engines, None, 40) == [14, 34]
+    assert free_sequences(engines, None, 200) == [0, 0]
+    assert free_sequences(engines, 8, 0) == [0, 0]  # running past the limit: no room, not less
+
+
+def test_a_yielding_engine_hands_over_what_the_rollout_engine_has_room_for():
+    """A rollout engine with room (8 groups of 4 a worker: 32 sequences) and multi-turn episodes of
+    spread lengths: at the steps' starts the lent engine's episodes move to the rollout engine as far
+    as its free sequences go (the runtime's plan); a handed-over episode never again runs or waits on
+    a lent engine and ends on the rollout engines, no group is lost, and no lent engine decodes during
+    a step but one running on past eta."""
+    base = scenario(groups_per_engine=8, sigma=1.0, steps=15)
+    workload = base.workload.model_copy(update={"turns_mean": 3.0, "max_turns": 6})
+    s = base.model_copy(update={"workload": workload})
+    sim = Simulation(s)
+    lending = sim.lending
+    handed = []
+
+    def on_lent_engines(sim: Simulation) -> list[str]:
+        out = []
+        for e in lending.engines:
+            for req in [*(r for _, _, r in e.running), *lending.queues[e]]:
+                if req.handed:
+                    out.append(f"t={sim.now:.3f}: a handed-over episode is on lent engine {e.eid}")
+        for e in sim.engines:
+            handed.extend(r for _, _, r in e.running if r.handed and r not in handed)
+        return out
+
+    sim, _, violations = run_checked(s, sim, on_lent_engines)
+    assert not violations, violations[:3]
+    events = [e for e in sim.rec.events if e.get("what") == "lent_hand_over"]
+    assert lending.handed_over == sum(e["episodes"] for e in events) > 0
+    assert handed  # they ran on the rollout engines
+    started = next(sim.groups)
+    assert started == sum(sim.store.reuse_histogram().values()) + sim.store.in_flight()
+    assert lending.started == lending.stored_groups + len(lending.groups)
+    for g in lending.groups.values():
+        assert 0 <= g.episodes_away <= g.pending == len(g.episodes)
+        assert g.episodes_away == sum(r.handed for r in g.episodes)
+
+
+def test_a_group_handed_over_whole_frees_its_lent_engine_and_makes_it_run_on_no_more():
+    """A lent group with every episode on the rollout engines counts in no lent engine's load and does
+    not make its engine run on past eta (the engine yields, as the runtime's does); with one episode
+    back home it does both."""
+    sim = Simulation(scenario(steps=5))
+    lending = sim.lending
+    engine = lending.engines[0]
+    g = sim.start_group(lent=engine)
+    lending.groups[g.gid] = g
+    for req in g.episodes:
+        req.handed = True
+    g.episodes_away = g.pending
+    assert lending.loads()[engine] == 0 and lending.at_home(engine) == []
+    lending.step_starts(10, 1.0, 1.0, 1)
+    assert lending.ran_on == 0 and lending.yields == 1 and engine.paused == 1
+    g.episodes[0].handed = False
+    g.episodes_away = g.pending - 1
+    assert lending.loads()[engine] == 1 and lending.at_home(engine) == [g.episodes[0]]
+    lending.step_starts(11, 1.0, 1.0, 1)
+    assert lending.ran_on == 1 and engine.paused == 0

@@ -34,6 +34,14 @@ class Request:
     segment: float = 0.0
     """Tokens of its last stretch on an engine before an abort (reflow/sim/oversample.py): what slime
     counts as off-policy when it resumes."""
+    handed: bool = False
+    """Handed over by its lent engine at a yield (reflow/sim/lending.py): the rest of its episode runs
+    on the rollout engines."""
+
+    @property
+    def lent_engine(self) -> Engine | None:
+        """The lent engine this episode runs on, None: the rollout engines'."""
+        return None if self.handed else self.group.lent
 
 
 @dataclass(eq=False)
@@ -50,7 +58,13 @@ class GroupState:
     zero: bool | None = None
     """Whether it has no reward spread, when the sampler knows (a stored group); None: draw it."""
     lent: Engine | None = None
-    """The lent engine it runs on (every turn of every sample), None: the rollout engines'."""
+    """The lent engine it started on (every turn of every sample, but those it hands over), None: the
+    rollout engines'."""
+    episodes: list[Request] | None = None
+    """A lent group's episodes still running (None on the rollout engines': nothing looks them up)."""
+    episodes_away: int = 0
+    """Of `pending`, the episodes its lent engine handed over to the rollout engines: the group is at
+    home on its lent engine while pending > episodes_away."""
     held: list[Request] | None = None
     """Aborted at a round's target (reflow/sim/oversample.py): its unfinished requests, with their
     progress, until it resumes; None while it runs."""

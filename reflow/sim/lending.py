@@ -5,30 +5,38 @@ model and the yield rule are reflow/policy/lending.py's).
 What it owns: the lent engines (one per trainer GPU group at the start, train GPUs / decode.tp, with
 the rollout engines' DecodeCost and the colocated KV share, since the trainer's state holds the rest
 of the GPU); how many of them lend now (the elastic policy's l, which `SimActuator.lend` sets; all
-from the start, as in the runtime); their groups (a lent group runs every turn of every sample on its
-engine); when they take groups (only while no train step runs, under the same admission control as
-the rollout engines, not under the tail gate, whose B + delta is the rollout engines' share); their
-yield at each step start (requests paused with their tokens, resumed once the trainer waits again, on
-the weights of then; an engine whose oldest group is more than eta versions old runs on beside the
-step instead: `lent_engine_yields`); the trainer's slowdown in a step a lent engine runs on beside
-(its rate times 1 - `sync.lend_beside_slowdown`; a step its engines yield to runs at the trainer's
-own rate, as `reflow bench lending` measured on CPU: 1.5% slower, against 35% beside); the assumed
-cost of handing a GPU over (`sync.lend_switch_s`, each way); and the counters a run reports (busy and
-stored seconds, yields, run-ons, groups) and the policy observes (busy seconds; the trainer's steps
-since its last change, alone and beside a lent engine, with the yields' hand-overs: `LendWindow`).
+from the start, as in the runtime); their groups (a lent group runs every turn of every sample on
+its engine, but the episodes it hands over); when they take groups (only while no train step runs,
+under the same admission control as the rollout engines, not under the tail gate, whose B + delta is
+the rollout engines' share); their yield at each step start (what fits the rollout engines handed
+over, below; the rest paused with their tokens, resumed once the trainer waits again, on the weights
+of then; an engine whose oldest group is more than eta versions old runs on beside the step instead:
+`lent_engine_yields`); the trainer's slowdown in a step a lent engine runs on beside (its rate times
+1 - `sync.lend_beside_slowdown`; a step its engines yield to runs at the trainer's own rate, as
+`reflow bench lending` measured on CPU: 1.5% slower, against 35% beside); the assumed cost of
+switching a GPU between them (`sync.lend_switch_s`, each way); and the counters a run reports (busy and stored
+seconds, yields, run-ons, groups, episodes handed over) and the policy observes (busy seconds; the
+trainer's steps since its last change, alone and beside a lent engine, with the yields' switch seconds:
+`LendWindow`).
 
 A slot that joins the trainer later (an elastic move) lends no engine: the runtime places its lent
 engines beside the trainer ranks it starts with.
 
-Not modelled: the runtime's hand-over at a yield (a yielding lent engine's episodes that fit a
-rollout engine's free sequences move there and generate through the step,
-`reflow.policy.lending.hand_over_plan`); here every yielded request waits on its lent engine for the
-resume, so the simulator charges lending the admission room its paused groups hold. Nor a lent
-engine's weights arriving late: the runtime's lent engine loads each version on its trainer's core
-beside the next step, and admission counts its starts from the version it has confirmed
-(`WeightPusher.admission_version`); here every engine has the new version at each sync and lent
-groups start on it, so the simulator admits a lagging lent engine's groups more readily and tags
-them one version fresher than the runtime would.
+The hand-over at a yield is the runtime's (`hand_over`, by `reflow.policy.lending.hand_over_plan`):
+after the rollout side has started what admission allows, a yielding (or still paused) lent engine's
+episodes that fit the rollout engines' free sequences move there, whole groups first, and generate
+through the step; the rest pause; they count in the rollout engines' group cap as the runtime counts
+them in their worker's load. Where it differs from the runtime: the rollout engines' free sequences
+are counted from the sequences they run (the runtime counts a rollout worker's groups whole until
+their report where the tail gate does not poll its workers, so it may hand over fewer); the tail
+gate's view of a batch leaves handed-over episodes out; an episode handed over in a tool call pays
+no re-prefill of its prefix; one whose rollout engine leaves goes to the rollout queue, not back
+home; the step pays `sync.lend_switch_s` for a yield, not the seconds the hand-over's calls take.
+Not modelled: a lent engine's weights arriving late: the runtime's lent engine loads each version on
+its trainer's core beside the next step, and admission counts its starts from the version it has
+confirmed (`WeightPusher.admission_version`); here every engine has the new version at each sync and
+lent groups start on it, so the simulator admits a lagging lent engine's groups more readily and
+tags them one version fresher than the runtime would.
 """
 
 from __future__ import annotations
@@ -39,15 +47,29 @@ from typing import Any, Protocol
 
 from reflow.metrics import idle_ratio
 from reflow.policy.elastic import ElasticConfig
-from reflow.policy.lending import LendWindow, lent_engine_yields
+from reflow.policy.lending import LendWindow, hand_over_plan, lent_engine_yields
+from reflow.policy.tail import TailPolicy
 from reflow.sim.config import ModeConfig, Scenario
-from reflow.sim.costs import decode_model
+from reflow.sim.costs import DecodeModel, decode_model
 from reflow.sim.engines import Engine, GroupState, Request
 from reflow.sim.metrics import Recorder
+from reflow.sim.store import SimStore
 
 LENT_EID = 1_000_000
 """Lent engines' ids start here (rollout engines count from 0): they never meet in one heap, but the
 ids stay unique in events and traces."""
+
+
+def free_sequences(engines: list[Engine], limit: int | None, waiting: int) -> list[int]:
+    """Each rollout engine's free sequences: its limit (`limit`, the runtime's per-worker groups times
+    the group size; None: its `max_running`) less what it runs, less the `waiting` requests that will
+    take the first of them, from the engines with the most room (they admit there first)."""
+    free = [max(0, min(e.max_running, limit or e.max_running) - e.b) for e in engines]
+    for i in sorted(range(len(free)), key=lambda i: -free[i]):
+        take = min(free[i], waiting)
+        free[i] -= take
+        waiting -= take
+    return free
 
 
 class TrainerState(Protocol):
@@ -67,6 +89,14 @@ class LendingHost(Protocol):
     now: float
     seq: Iterator[int]
     rec: Recorder
+    engines: list[Engine]
+    dm: DecodeModel
+    queue: deque[Request]
+    prefilling: int
+    store: SimStore
+    tail: TailPolicy | None
+
+    def fill(self) -> None: ...
 
     @property
     def version(self) -> int: ...
@@ -94,12 +124,11 @@ class SimLending:
         self.engines = [Engine(LENT_EID + i, dm, lent=True) for i in range(slots)]
         self.lending = slots
         self.queues: dict[Engine, deque[Request]] = {e: deque() for e in self.engines}
-        self.load = dict.fromkeys(self.engines, 0)  # groups in flight per engine
         self.groups: dict[str, GroupState] = {}
         self.yielded: set[Engine] = set()
         self.stored_at = dict.fromkeys(self.engines, 0.0)  # busy seconds when its last group was stored
         self.marks: list[tuple[float, float]] = []  # (busy, stored) seconds at each version boundary
-        self.yields = self.ran_on = self.started = self.stored_groups = 0
+        self.yields = self.ran_on = self.started = self.stored_groups = self.handed_over = 0
         # the trainer's steps since the policy's last change
         self.window = LendWindow(ElasticConfig(**m.elastic_config).lend_window_steps)
         self.poked = False
@@ -154,13 +183,25 @@ class SimLending:
         while (e := self.free()) is not None and self.sim.admission_room(lent=True) > 0:
             g = self.sim.start_group(lent=e)
             self.groups[g.gid] = g
-            self.load[e] += 1
             self.started += 1
+
+    def loads(self) -> dict[Engine, int]:
+        """Groups with a sample at home on each lent engine (not those handed over whole)."""
+        counts = dict.fromkeys(self.engines, 0)
+        for g in self.groups.values():
+            if g.pending > g.episodes_away:
+                counts[g.lent] += 1
+        return counts
+
+    def episodes_away(self) -> int:
+        """Episodes handed over to the rollout engines and still running there."""
+        return sum(g.episodes_away for g in self.groups.values())
 
     def free(self) -> Engine | None:
         """A lending engine with room for one more group (the least loaded), or None."""
-        fits = [e for e in self.engines[: self.lent_slots()] if self.load[e] < self.per_engine]
-        return min(fits, key=lambda e: (self.load[e], e.eid)) if fits else None
+        loads = self.loads()
+        fits = [e for e in self.engines[: self.lent_slots()] if loads[e] < self.per_engine]
+        return min(fits, key=lambda e: (loads[e], e.eid)) if fits else None
 
     def ready(self, req: Request) -> None:
         """A lent group's request is prefilled (or back from a tool call): its engine's queue."""
@@ -187,7 +228,6 @@ class SimLending:
         e = g.lent
         assert e is not None
         del self.groups[g.gid]
-        self.load[e] -= 1
         self.stored_groups += 1
         e.advance(self.sim.now)
         self.stored_at[e] = e.busy_s
@@ -197,34 +237,37 @@ class SimLending:
 
     def step_starts(self, version: int, seconds: float, tokens: float, samples: int) -> float:
         """A step training `version` + 1 on `tokens` and `samples` starts and would take `seconds` (it
-        goes into the policy's window, alone or beside, with its yield's hand-over): each lent engine
-        with groups yields, but one whose oldest group started more than eta versions before
-        `version`, which runs on beside the step (and is resumed for it if it was paused). Returns the
-        step's seconds beside its lent engines: slower by 1 - `sync.lend_beside_slowdown` when an
-        engine runs on, plus one hand-over (`sync.lend_switch_s`, the engines offload in parallel)
-        when one yields."""
-        oldest: dict[Engine, int] = {}
+        goes into the policy's window, alone or beside, with its yield's switch seconds): each lent
+        engine with groups hands over what the rollout engines take (`hand_over`) and yields, but one
+        whose oldest group with an episode at home started more than eta versions before `version`,
+        which runs on beside the step (and is resumed for it if it was paused); an engine still paused
+        from the last step hands over too. Returns the step's seconds beside its lent engines: slower
+        by 1 - `sync.lend_beside_slowdown` when an engine runs on, plus one switch
+        (`sync.lend_switch_s`, the engines offload in parallel) when one yields."""
+        oldest: dict[Engine, int | None] = {}  # None: every group of it is on the rollout engines
         for g in self.groups.values():
             assert g.lent is not None
-            oldest[g.lent] = min(g.version, oldest.get(g.lent, g.version))
-        yielding, running_on = [], []
+            mine = oldest.setdefault(g.lent, None)
+            if g.pending > g.episodes_away:
+                oldest[g.lent] = g.version if mine is None else min(mine, g.version)
+        yielding, still, running_on = [], [], []
         for e in sorted(oldest, key=lambda e: e.eid):
             if lent_engine_yields(oldest[e], version, self.eta):
-                if e not in self.yielded:
-                    yielding.append(e)
-            else:
-                running_on.append(e)
-                self.sim.rec.event(
-                    {
-                        "kind": "elastic",
-                        "t": self.sim.now,
-                        "version": version,
-                        "what": "lent_runs_on",
-                        "why": f"its oldest group started on version {oldest[e]}, more than eta={self.eta} "
-                        f"versions before {version}: it generates beside the step",
-                        "engine": e.eid - LENT_EID,
-                    }
-                )
+                (still if e in self.yielded else yielding).append(e)
+                continue
+            running_on.append(e)
+            self.sim.rec.event(
+                {
+                    "kind": "elastic",
+                    "t": self.sim.now,
+                    "version": version,
+                    "what": "lent_runs_on",
+                    "why": f"its oldest group started on version {oldest[e]}, more than eta={self.eta} "
+                    f"versions before {version}: it generates beside the step",
+                    "engine": e.eid - LENT_EID,
+                }
+            )
+        self.hand_over([*yielding, *still])
         for e in yielding:
             e.advance(self.sim.now)
             e.paused += 1
@@ -239,9 +282,84 @@ class SimLending:
         self.window.add(seconds, tokens, samples, beside=bool(running_on), yield_s=switch)
         return seconds + switch
 
+    def at_home(self, e: Engine) -> list[Request]:
+        """The episodes of `e`'s groups not handed over, as the runtime's worker hands them over: whole
+        groups first, the smallest first (a group with nothing left at home frees its engine), each
+        wherever it is (running, queued for the engine, in prefill or a tool call)."""
+        groups = [g for g in self.groups.values() if g.lent is e and g.pending > g.episodes_away]
+        homes = [[r for r in g.episodes if not r.handed] for g in groups]
+        order = sorted(range(len(groups)), key=lambda i: (len(homes[i]), groups[i].gid))
+        return [r for i in order for r in homes[i]]
+
+    def rollout_free(self, targets: list[Engine]) -> list[int]:
+        """The rollout engines' free sequences as the runtime's tail gate counts them for a hand-over:
+        where it polls its workers (two rollout engines or more, or `tail.set_concurrency`), each
+        engine's limit less the sequences it runs and those waiting for it (`free_sequences`); on one
+        engine that it does not poll, the limit less every rollout group in flight counted whole, less
+        the episodes handed over before. (With no tail and two engines or more the runtime counts
+        each worker's groups whole too; the simulator, which does not track a group's worker, counts
+        sequences there.)"""
+        sim, n = self.sim, self.sim.s.batch.samples_per_group
+        per_worker = sim.m.groups_per_engine
+        limit = per_worker * n if per_worker else None
+        if len(targets) >= 2 or (sim.tail is not None and sim.tail.cfg.set_concurrency):
+            return free_sequences(targets, limit, len(sim.queue) + sim.prefilling)
+        groups = sim.store.in_flight() - len(self.groups)
+        e = targets[0]
+        return [max(0, min(e.max_running, limit or e.max_running) - groups * n - self.episodes_away())]
+
+    def hand_over(self, engines: list[Engine]) -> None:
+        """Before they pause: as many of the yielding (or still paused) engines' episodes as the rollout
+        engines have free sequences for move there for good and generate through the step, as the
+        runtime's yield does, by the same plan (`hand_over_plan`: the engine with the most episodes
+        first, each to the rollout engine with the most room, none split over two). It runs after the
+        rollout side has started the groups admission allows (the runtime's loop launches before it
+        reads the free sequences). A running or queued episode keeps its tokens and re-prefills its
+        prefix on its target (a migration, unseen by the engines' counts while it re-prefills, as
+        the tail's migrations); one in prefill or a tool call goes to the rollout engines' queue when
+        its tool returns (its prefix's re-prefill is not charged). Every engine holds the same
+        weights here, so the plan's version rule never binds."""
+        sim = self.sim
+        targets = [e for e in sim.engines if e.alive]
+        if not targets or not engines:
+            return
+        sim.fill()
+        home = {e: self.at_home(e) for e in engines}
+        plan = hand_over_plan([len(home[e]) for e in engines], self.rollout_free(targets))
+        for e, (w, k) in zip(engines, plan, strict=True):
+            if k <= 0:
+                continue
+            e.advance(sim.now)
+            for req in home[e][:k]:
+                req.handed = True
+                req.group.episodes_away += 1
+                req.versions.add(sim.version)
+                if req.engine is e:
+                    sim.rec.generated(e.remove(req))
+                elif req in self.queues[e]:
+                    self.queues[e].remove(req)
+                else:  # in prefill or a tool call: its "ready" goes to the rollout side
+                    sim.prefilling += 1
+                    continue
+                sim.push(sim.now + req.ctx * sim.dm.prefill_s_per_token, "migrated", (req, targets[w]))
+            self.handed_over += k
+            sim.reschedule(e)
+            sim.rec.event(
+                {
+                    "kind": "elastic",
+                    "t": sim.now,
+                    "version": sim.version,
+                    "what": "lent_hand_over",
+                    "why": f"rollout engines had free sequences at the step's start: {k} episodes go on "
+                    "there instead of pausing",
+                    "engine": e.eid - LENT_EID,
+                    "episodes": k,
+                }
+            )
+
     def resume(self, engines: list[Engine]) -> None:
         """Paused episodes continue on the engine's weights of now (per-token versions), after the
-        hand-over back to the engine."""
+        switch back to the engine."""
         for e in engines:
             self.yielded.discard(e)
             for _, _, req in e.running:
@@ -271,6 +389,7 @@ class SimLending:
             "lent_busy_s": self.busy_s(),
             "lent_stored_s": self.stored_s(),
             "lent_yields": self.yields,
+            "lent_handed_over": self.handed_over,
             "lent_ran_on": self.ran_on,
             "lent_groups": self.started,
             "lent_groups_stored": self.stored_groups,

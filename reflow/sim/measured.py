@@ -28,8 +28,9 @@ from reflow.sim.costs import GroupShape, SampleShape
 
 FIGURES = ("steps_per_s", "trained_tokens_per_s", "rollout_idle_ratio", "trainer_idle_ratio")
 """What --from-run predicts and compares."""
-LENDING = ("lent_busy_s", "lent_yields")
-"""A lending run's counters (its summary's, whole-run), shown beside the figures."""
+LENDING = ("lent_busy_s", "lent_yields", "lent_handed_over", "train_slot_idle_ratio")
+"""A lending run's counters and its train slot's idle share (its summary's, whole-run; a `--from-run`
+scenario has no warm-up steps, so the simulated ones are whole-run too), shown beside the figures."""
 
 
 @dataclass

@@ -142,7 +142,9 @@ class Simulation:
         on_lent = len(self.lending.groups) if self.lending is not None else 0
         if cap is not None and not self.colocated and not lent:
             alive = sum(e.alive for e in self.engines)
-            if self.store.in_flight() - on_lent >= cap * alive:
+            # episodes a lent engine handed over count in their rollout engine's load, as groups
+            served = self.lending.episodes_away() / self.s.batch.samples_per_group if on_lent else 0.0
+            if self.store.in_flight() - on_lent + served >= cap * alive:
                 return 0
         # As the runtime's driver asks it (reflow/recipes/decoupled.py): at the engines' version, with
         # the fresh groups the first `version` steps trained (fewer than version * B when replay filled).
@@ -188,7 +190,9 @@ class Simulation:
         gid = f"g{next(self.groups)}"
         shapes, zero = self.sampler.draw(n, self.version)  # the workload as of the start version
         self.rec.started(shapes, self.version)
-        g = GroupState(gid, self.version, n, self.now, zero=zero, lent=lent)
+        g = GroupState(
+            gid, self.version, n, self.now, zero=zero, lent=lent, episodes=[] if lent is not None else None
+        )
         self.store.begin_group(gid, self.version)
         if self.rounds is not None:
             self.rounds.start()
@@ -196,6 +200,8 @@ class Simulation:
             self.over.start(g)
         for shape in shapes:
             req = Request(g, shape, ctx=shape.prompt, left=shape.turns[0], started_at=self.now)
+            if g.episodes is not None:
+                g.episodes.append(req)
             g.tokens += shape.prompt + sum(shape.turns) + shape.obs_tokens * (len(shape.turns) - 1)
             g.generated += sum(shape.turns)
             self.requests_out += 1
@@ -204,7 +210,7 @@ class Simulation:
         return g
 
     def on_ready(self, req: Request, _token: int) -> None:
-        if req.group.lent is not None:
+        if req.lent_engine is not None:
             self.lending.ready(req)
             return
         self.prefilling -= 1
@@ -314,7 +320,7 @@ class Simulation:
             req.ctx += req.left + shape.obs_tokens
             req.turn += 1
             req.left = shape.turns[req.turn]
-            self.prefilling += req.group.lent is None
+            self.prefilling += req.lent_engine is None
             delay = shape.tool_s[req.turn - 1] + shape.obs_tokens * self.dm.prefill_s_per_token
             self.rec.tool(shape.tool_s[req.turn - 1])
             self.push(self.now + delay, "ready", req)
@@ -324,6 +330,9 @@ class Simulation:
         g = req.group
         g.partial |= len(req.versions) > 1
         g.pending -= 1
+        g.episodes_away -= req.handed
+        if g.episodes is not None:
+            g.episodes.remove(req)
         if g.pending == 0:
             self.group_done(g)
         if self.trainer.draining and self.requests_out == 0:
