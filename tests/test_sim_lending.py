@@ -324,7 +324,18 @@ def test_a_yielding_engine_hands_over_what_the_rollout_engine_has_room_for():
     handed = []
 
     def on_lent_engines(sim: Simulation) -> list[str]:
-        out = []
+        # every request on its way to a rollout engine is counted in prefill: a pending "ready" of a
+        # rollout-side episode, or a handed-over one re-prefilling its prefix (no tail here: every
+        # migration is a hand-over)
+        pending = sum(
+            kind in ("handed", "migrated") or (kind == "ready" and obj.lent_engine is None)
+            for _, _, kind, obj, _ in sim.events
+        )
+        out = (
+            []
+            if sim.prefilling == pending
+            else [f"t={sim.now:.3f}: prefilling {sim.prefilling} != {pending}"]
+        )
         for e in lending.engines:
             for req in [*(r for _, _, r in e.running), *lending.queues[e]]:
                 if req.handed:
@@ -366,3 +377,25 @@ def test_a_group_handed_over_whole_frees_its_lent_engine_and_makes_it_run_on_no_
     assert lending.loads()[engine] == 1 and lending.at_home(engine) == [g.episodes[0]]
     lending.step_starts(11, 1.0, 1.0, 1)
     assert lending.ran_on == 1 and engine.paused == 0
+
+
+def test_the_rollout_side_counts_handed_over_episodes_in_its_room_and_its_group_cap():
+    """One rollout engine with no tail gate polling it (its groups counted whole, as the runtime's gate
+    counts them): free sequences = 8 groups x 4 less 4 per rollout group in flight less the episodes
+    handed over; and the rollout group cap (2 a worker here) counts handed-over episodes as groups."""
+    sim = Simulation(scenario(groups_per_engine=8, steps=5))
+    lending, engine = sim.lending, sim.engines[0]
+    sim.start_group()
+    sim.start_group()
+    g = sim.start_group(lent=lending.engines[0])
+    lending.groups[g.gid] = g
+    g.episodes_away = 3
+    assert lending.rollout_free([engine]) == [32 - 2 * 4 - 3]
+    capped = Simulation(scenario(groups_per_engine=2, steps=5))
+    lending = capped.lending
+    capped.start_group()
+    g = capped.start_group(lent=lending.engines[0])
+    lending.groups[g.gid] = g
+    assert capped.admission_room() > 0  # one rollout group of two
+    g.episodes_away = 4  # a group's worth of episodes on the rollout engine
+    assert capped.admission_room() == 0

@@ -26,17 +26,20 @@ The hand-over at a yield is the runtime's (`hand_over`, by `reflow.policy.lendin
 after the rollout side has started what admission allows, a yielding (or still paused) lent engine's
 episodes that fit the rollout engines' free sequences move there, whole groups first, and generate
 through the step; the rest pause; they count in the rollout engines' group cap as the runtime counts
-them in their worker's load. Where it differs from the runtime: the rollout engines' free sequences
-are counted from the sequences they run (the runtime counts a rollout worker's groups whole until
-their report where the tail gate does not poll its workers, so it may hand over fewer); the tail
-gate's view of a batch leaves handed-over episodes out; an episode handed over in a tool call pays
-no re-prefill of its prefix; one whose rollout engine leaves goes to the rollout queue, not back
-home; the step pays `sync.lend_switch_s` for a yield, not the seconds the hand-over's calls take.
-Not modelled: a lent engine's weights arriving late: the runtime's lent engine loads each version on
-its trainer's core beside the next step, and admission counts its starts from the version it has
-confirmed (`WeightPusher.admission_version`); here every engine has the new version at each sync and
-lent groups start on it, so the simulator admits a lagging lent engine's groups more readily and
-tags them one version fresher than the runtime would.
+them in their worker's load. The free sequences are counted as the runtime's tail gate counts them
+(`rollout_free`): on one rollout engine it does not poll, its groups whole; where it polls, the
+sequences running. Where it differs from the runtime: with no tail and two rollout engines or more
+the simulator counts running sequences (the runtime each worker's groups whole); the tail gate's
+view of a batch leaves handed-over episodes out; an episode handed over in a tool call pays no
+re-prefill of its prefix; one whose rollout engine leaves goes to the rollout queue, not back home;
+the step pays `sync.lend_switch_s` for a yield, not the seconds the hand-over's calls take; a lent
+engine's busy seconds are its decoding seconds (the runtime's are the wall seconds a group of it is
+at home and it is not paused: tool calls and prefill included). Not modelled: a lent engine's
+weights arriving late: the runtime's lent engine loads each version on its trainer's core beside the
+next step, and admission counts its starts from the version it has confirmed
+(`WeightPusher.admission_version`); here every engine has the new version at each sync and lent
+groups start on it, so the simulator admits a lagging lent engine's groups more readily and tags
+them one version fresher than the runtime would.
 """
 
 from __future__ import annotations
@@ -97,6 +100,7 @@ class LendingHost(Protocol):
     tail: TailPolicy | None
 
     def fill(self) -> None: ...
+    def on_migrated(self, obj: tuple[Request, Engine], _token: int) -> None: ...
 
     @property
     def version(self) -> int: ...
@@ -291,6 +295,11 @@ class SimLending:
         order = sorted(range(len(groups)), key=lambda i: (len(homes[i]), groups[i].gid))
         return [r for i in order for r in homes[i]]
 
+    def on_handed(self, obj: tuple[Request, Engine], token: int) -> None:
+        """A handed-over episode has re-prefilled its prefix: it lands on its target as a migration."""
+        self.sim.prefilling -= 1
+        self.sim.on_migrated(obj, token)
+
     def rollout_free(self, targets: list[Engine]) -> list[int]:
         """The rollout engines' free sequences as the runtime's tail gate counts them for a hand-over:
         where it polls its workers (two rollout engines or more, or `tail.set_concurrency`), each
@@ -312,18 +321,17 @@ class SimLending:
         """Before they pause: as many of the yielding (or still paused) engines' episodes as the rollout
         engines have free sequences for move there for good and generate through the step, as the
         runtime's yield does, by the same plan (`hand_over_plan`: the engine with the most episodes
-        first, each to the rollout engine with the most room, none split over two). It runs after the
-        rollout side has started the groups admission allows (the runtime's loop launches before it
-        reads the free sequences). A running or queued episode keeps its tokens and re-prefills its
-        prefix on its target (a migration, unseen by the engines' counts while it re-prefills, as
-        the tail's migrations); one in prefill or a tool call goes to the rollout engines' queue when
+        first, each to the rollout engine with the most room, none split over two). The trainer has
+        let the rollout side start what admission allows before it took the batch (the runtime's loop
+        launches before it starts a step). A running or queued episode keeps its tokens and
+        re-prefills its prefix on its target (a migration; counted with the requests in prefill until
+        it lands, `on_handed`); one in prefill or a tool call goes to the rollout engines' queue when
         its tool returns (its prefix's re-prefill is not charged). Every engine holds the same
         weights here, so the plan's version rule never binds."""
         sim = self.sim
         targets = [e for e in sim.engines if e.alive]
         if not targets or not engines:
             return
-        sim.fill()
         home = {e: self.at_home(e) for e in engines}
         plan = hand_over_plan([len(home[e]) for e in engines], self.rollout_free(targets))
         for e, (w, k) in zip(engines, plan, strict=True):
@@ -334,14 +342,14 @@ class SimLending:
                 req.handed = True
                 req.group.episodes_away += 1
                 req.versions.add(sim.version)
+                sim.prefilling += 1  # on its way to a rollout engine: counted until it is queued there
                 if req.engine is e:
                     sim.rec.generated(e.remove(req))
                 elif req in self.queues[e]:
                     self.queues[e].remove(req)
                 else:  # in prefill or a tool call: its "ready" goes to the rollout side
-                    sim.prefilling += 1
                     continue
-                sim.push(sim.now + req.ctx * sim.dm.prefill_s_per_token, "migrated", (req, targets[w]))
+                sim.push(sim.now + req.ctx * sim.dm.prefill_s_per_token, "handed", (req, targets[w]))
             self.handed_over += k
             sim.reschedule(e)
             sim.rec.event(

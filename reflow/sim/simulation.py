@@ -83,6 +83,7 @@ class Simulation:
         }
         if self.lending is not None:
             self.handlers["lend"] = self.lending.on_lend
+            self.handlers["handed"] = self.lending.on_handed
         self.queue: deque[Request] = deque()
         self.groups = itertools.count()
         self.requests_out = 0  # requests on engines, queued or in a tool call

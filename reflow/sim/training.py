@@ -163,6 +163,8 @@ class SimTrainer:
         if plan.size < want:
             return
         step = self.version * self.trigger + self.chunk
+        if sim.lending is not None:  # the runtime's loop launches groups before it starts a step, and
+            sim.fill()  # its lent engines hand episodes over to the room left (`SimLending.hand_over`)
         consume(sim.store, plan, step)
         if sim.over is not None:  # slime: the target is met, whatever still runs is aborted
             sim.abort_round()
