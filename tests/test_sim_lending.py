@@ -368,12 +368,12 @@ def test_a_group_handed_over_whole_frees_its_lent_engine_and_makes_it_run_on_no_
     lending.groups[g.gid] = g
     for req in g.episodes:
         req.handed = True
-    g.episodes_away = g.pending
+    assert g.episodes_away == g.pending
     assert lending.loads()[engine] == 0 and lending.at_home(engine) == []
     lending.step_starts(10, 1.0, 1.0, 1)
     assert lending.ran_on == 0 and lending.yields == 1 and engine.paused == 1
     g.episodes[0].handed = False
-    g.episodes_away = g.pending - 1
+    assert g.episodes_away == g.pending - 1
     assert lending.loads()[engine] == 1 and lending.at_home(engine) == [g.episodes[0]]
     lending.step_starts(11, 1.0, 1.0, 1)
     assert lending.ran_on == 1 and engine.paused == 0
@@ -389,7 +389,8 @@ def test_the_rollout_side_counts_handed_over_episodes_in_its_room_and_its_group_
     sim.start_group()
     g = sim.start_group(lent=lending.engines[0])
     lending.groups[g.gid] = g
-    g.episodes_away = 3
+    for req in g.episodes[:3]:
+        req.handed = True
     assert lending.rollout_free([engine]) == [32 - 2 * 4 - 3]
     capped = Simulation(scenario(groups_per_engine=2, steps=5))
     lending = capped.lending
@@ -397,5 +398,6 @@ def test_the_rollout_side_counts_handed_over_episodes_in_its_room_and_its_group_
     g = capped.start_group(lent=lending.engines[0])
     lending.groups[g.gid] = g
     assert capped.admission_room() > 0  # one rollout group of two
-    g.episodes_away = 4  # a group's worth of episodes on the rollout engine
+    for req in g.episodes:  # a group's worth of episodes (4) on the rollout engine
+        req.handed = True
     assert capped.admission_room() == 0

@@ -62,12 +62,15 @@ class GroupState:
     rollout engines'."""
     episodes: list[Request] | None = None
     """A lent group's episodes still running (None on the rollout engines': nothing looks them up)."""
-    episodes_away: int = 0
-    """Of `pending`, the episodes its lent engine handed over to the rollout engines: the group is at
-    home on its lent engine while pending > episodes_away."""
     held: list[Request] | None = None
     """Aborted at a round's target (reflow/sim/oversample.py): its unfinished requests, with their
     progress, until it resumes; None while it runs."""
+
+    @property
+    def episodes_away(self) -> int:
+        """Of `pending`, the episodes its lent engine handed over to the rollout engines (0 on the
+        rollout engines'): the group is at home on its lent engine while pending > episodes_away."""
+        return sum(r.handed for r in self.episodes) if self.episodes else 0
 
 
 class Engine:

@@ -14,10 +14,10 @@ of then; an engine whose oldest group is more than eta versions old runs on besi
 `lent_engine_yields`); the trainer's slowdown in a step a lent engine runs on beside (its rate times
 1 - `sync.lend_beside_slowdown`; a step its engines yield to runs at the trainer's own rate, as
 `reflow bench lending` measured on CPU: 1.5% slower, against 35% beside); the assumed cost of
-switching a GPU between them (`sync.lend_switch_s`, each way); and the counters a run reports (busy and stored
-seconds, yields, run-ons, groups, episodes handed over) and the policy observes (busy seconds; the
-trainer's steps since its last change, alone and beside a lent engine, with the yields' switch seconds:
-`LendWindow`).
+switching a GPU between them (`sync.lend_switch_s`, each way); and the counters a run reports (busy
+and stored seconds, yields, run-ons, groups, episodes handed over) and the policy observes (busy
+seconds; the trainer's steps since its last change, alone and beside a lent engine, with the yields'
+switch seconds: `LendWindow`).
 
 A slot that joins the trainer later (an elastic move) lends no engine: the runtime places its lent
 engines beside the trainer ranks it starts with.
@@ -63,11 +63,17 @@ LENT_EID = 1_000_000
 ids stay unique in events and traces."""
 
 
+def engine_limit(e: Engine, limit: int | None) -> int:
+    """A rollout engine's sequence limit: `limit` (the runtime's per-worker groups times the group
+    size), None: its `max_running`; never above `max_running`."""
+    return min(e.max_running, limit or e.max_running)
+
+
 def free_sequences(engines: list[Engine], limit: int | None, waiting: int) -> list[int]:
-    """Each rollout engine's free sequences: its limit (`limit`, the runtime's per-worker groups times
-    the group size; None: its `max_running`) less what it runs, less the `waiting` requests that will
-    take the first of them, from the engines with the most room (they admit there first)."""
-    free = [max(0, min(e.max_running, limit or e.max_running) - e.b) for e in engines]
+    """Each rollout engine's free sequences: its limit (`engine_limit`) less what it runs, less the
+    `waiting` requests that will take the first of them, from the engines with the most room (they
+    admit there first)."""
+    free = [max(0, engine_limit(e, limit) - e.b) for e in engines]
     for i in sorted(range(len(free)), key=lambda i: -free[i]):
         take = min(free[i], waiting)
         free[i] -= take
@@ -99,7 +105,6 @@ class LendingHost(Protocol):
     store: SimStore
     tail: TailPolicy | None
 
-    def fill(self) -> None: ...
     def on_migrated(self, obj: tuple[Request, Engine], _token: int) -> None: ...
 
     @property
@@ -314,8 +319,7 @@ class SimLending:
         if len(targets) >= 2 or (sim.tail is not None and sim.tail.cfg.set_concurrency):
             return free_sequences(targets, limit, len(sim.queue) + sim.prefilling)
         groups = sim.store.in_flight() - len(self.groups)
-        e = targets[0]
-        return [max(0, min(e.max_running, limit or e.max_running) - groups * n - self.episodes_away())]
+        return [max(0, engine_limit(targets[0], limit) - groups * n - self.episodes_away())]
 
     def hand_over(self, engines: list[Engine]) -> None:
         """Before they pause: as many of the yielding (or still paused) engines' episodes as the rollout
@@ -340,7 +344,6 @@ class SimLending:
             e.advance(sim.now)
             for req in home[e][:k]:
                 req.handed = True
-                req.group.episodes_away += 1
                 req.versions.add(sim.version)
                 sim.prefilling += 1  # on its way to a rollout engine: counted until it is queued there
                 if req.engine is e:

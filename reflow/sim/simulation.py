@@ -331,7 +331,6 @@ class Simulation:
         g = req.group
         g.partial |= len(req.versions) > 1
         g.pending -= 1
-        g.episodes_away -= req.handed
         if g.episodes is not None:
             g.episodes.remove(req)
         if g.pending == 0:
