@@ -78,6 +78,10 @@ def test_sync_steps_on_ray_update_weights_versions_and_store(tmp_path, ray_env, 
     summary = train(config)
     run_dir = tmp_path / "sync"
     assert summary["steps"] == 3
+    # how the rollout engine spent the loop, its evaluations (every 2 steps) left out
+    decode, prefill = summary["engine_decode_share"], summary["engine_prefill_share"]
+    assert 0 < decode < 1 and 0 < prefill < 1 and decode + prefill <= 1
+    assert 1 <= summary["engine_tokens_per_decode_step"] <= 16  # rollout.max_batch_size
     # the run's Ray workers are not deprioritised (Ray's default nice 15 starved them beside any job)
     import ray
 
@@ -242,6 +246,11 @@ def test_async_and_reflow_modes_on_ray(tmp_path, ray_env, mode):
         assert 0.0 <= s["rollout_idle_ratio"] <= 1.0 and 0.0 <= s["trainer_idle_ratio"] <= 1.0
         assert s["groups_trained"] == 4
     assert set(summary["staleness_hist"]) <= {"0", "1", "2", "3", "4"}  # bounded by eta (+ stragglers)
+    # how the rollout engine spent the loop, from its own counters
+    decode, prefill = summary["engine_decode_share"], summary["engine_prefill_share"]
+    assert 0 < decode < 1 and 0 < prefill < 1 and decode + prefill <= 1
+    assert 1 <= summary["engine_tokens_per_decode_step"] <= 16  # rollout.max_batch_size
+    assert 0 <= summary["engine_prefix_reuse"] < 1
     # the same clock as sync: no live evaluation while rollout goes on; every point is a snapshot of
     # the weights, evaluated after the run
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

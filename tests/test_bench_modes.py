@@ -74,9 +74,10 @@ def test_table_headlines_time_to_target_final_success_and_new_tokens_with_interv
     assert md.startswith("Targets held-out success, fixed before the runs: 50% 0.300, 90% 0.400")
     assert "Final held-out: greedy on 300 tasks." in md
     header, rows = _rows(md, "| mode | seeds |")
-    assert header[:12] == [
+    assert header[:15] == [
         "mode", "seeds", "time to 50% (s)", "reached 50%", "time to 90% (s)", "reached 90%", "final held-out",
-        "final greedy", "new tok/s", "trained tok/s (with replays)", "gen tok/s", "held-out at budget (curve)",
+        "final greedy", "new tok/s", "trained tok/s (with replays)", "gen tok/s", "engine decode share",
+        "engine prefill share", "engine tokens/decode step", "held-out at budget (curve)",
     ]  # fmt: skip
     # sync reaches 0.3 at t = 20 and 10: mean 15, s = 7.07, half-width t(1) 12.706 x 7.07 / sqrt(2) = 63.5
     assert rows["sync"][:7] == ["sync", "2", "15 ± 63.5", "2/2", "30 ± 0", "2/2", "0.41 ± 0.127"]
@@ -234,6 +235,9 @@ def test_ablation_rows_run_reflow_with_parts_off_and_show_role_changes_and_tail_
         counted("reflow-no-tail", 0, 1, 2.5, 0, 0),
         counted("reflow-lend", 0, 0, 0.0, 3, 5, lent_s=12.5),
     ]
+    results[-1]["summary"].update(
+        engine_decode_share=0.58, engine_prefill_share=0.27, engine_tokens_per_decode_step=45.7
+    )
     md = table(results, {"target": 0.2}, budget_minutes=1)
     header, cells = _rows(md, "| mode | seeds |")
     assert header[-9:] == [
@@ -243,7 +247,17 @@ def test_ablation_rows_run_reflow_with_parts_off_and_show_role_changes_and_tail_
     slot_idle = header.index("train slot idle")
     assert header[slot_idle - 1] == "trainer idle"
     assert list(cells) == ["sync", "reflow", "reflow-static", "reflow-no-tail", "reflow-lend"]  # table order
-    assert all(len(c) == len(header) == 30 for c in cells.values())  # mode, seeds, time and reached, 26 more
+    assert all(len(c) == len(header) == 33 for c in cells.values())  # mode, seeds, time and reached, 29 more
+    # how the rollout engine spent its time: "-" for a run without the figures
+    engine = header.index("engine decode share")
+    assert header[engine - 1] == "gen tok/s"
+    assert header[engine : engine + 3] == [
+        "engine decode share",
+        "engine prefill share",
+        "engine tokens/decode step",
+    ]
+    assert cells["reflow-lend"][engine : engine + 3] == ["0.58", "0.27", "45.7"]
+    assert cells["reflow"][engine : engine + 3] == ["-", "-", "-"]
     # two seeds: mean ± t(1) s / sqrt(2), with s = 1.41 for 2 and 4: 12.706
     assert cells["reflow"][-9:-4] == ["3 ± 12.7", "4 ± 12.7", "5 ± 12.7", "12 ± 25.4", "0 ± 0"]
     assert cells["reflow-no-tail"][-9:] == ["1", "2.5", "0", "0", "0", "0", "0", "0", "0"]  # one seed

@@ -69,3 +69,36 @@ def test_new_trained_tokens_per_s_counts_a_group_once_and_trained_tokens_per_s_e
 def _cells(table):
     columns = [list(c.cells) for c in table.columns]
     return list(zip(*columns, strict=True))
+
+
+def test_engine_use_sums_each_engines_counters_over_the_stretch_it_ran():
+    """Shares are seconds decoding / prefilling over the engines' seconds, summed over engines, less
+    what `left_out` names (evaluations); an engine that started during the stretch (a key not in
+    `before`: a restarted engine is a new key) counts from zero; one gone by the end is not counted;
+    tokens per decode step are decode tokens over decode steps."""
+    from reflow.metrics import engine_use
+
+    def c(up, steps, tokens, dec, pre, computed, reused):
+        return dict(
+            uptime_s=up, steps=steps, decode_tokens=tokens, decode_s=dec, prefill_s=pre,
+            prefill_tokens=computed, prefix_hit_tokens=reused,
+        )  # fmt: skip
+
+    before = {"w0@1": c(100, 1000, 9000, 50, 20, 500, 500), "w1@1": c(300, 50, 100, 9, 9, 9, 9)}
+    after = {
+        "w0@1": c(160, 1600, 24000, 80, 35, 1500, 2500),  # +60 s: decoding 30, prefill 15, 600 steps
+        "w1@7": c(20, 200, 2000, 10, 5, 500, 0),  # w1 restarted: a new engine, from zero (20 s)
+        "w2@9": c(20, 200, 6000, 10, 0, 0, 0),  # joined during the stretch
+    }
+    use = engine_use(before, after)
+    assert use["engine_decode_share"] == pytest.approx((30 + 10 + 10) / (60 + 20 + 20))
+    assert use["engine_prefill_share"] == pytest.approx((15 + 5) / 100)
+    assert use["engine_tokens_per_decode_step"] == pytest.approx((15000 + 2000 + 6000) / 1000)
+    assert use["engine_prefix_reuse"] == pytest.approx(2000 / (2000 + 1500))
+    # an evaluation of 20 s that decoded 10 s in 100 steps of 8 tokens is not the run's
+    evaluation = {"uptime_s": 20, "decode_s": 10, "steps": 100, "decode_tokens": 800}
+    use = engine_use(before, after, evaluation)
+    assert use["engine_decode_share"] == pytest.approx((50 - 10) / (100 - 20))
+    assert use["engine_prefill_share"] == pytest.approx(20 / 80)
+    assert use["engine_tokens_per_decode_step"] == pytest.approx((23000 - 800) / 900)
+    assert engine_use({}, {}) == {}

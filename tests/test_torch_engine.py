@@ -283,3 +283,24 @@ async def test_bad_requests_and_failures(engine, tiny):
         await engine.generate(prompt(5, 1), greedy(3))
     assert len((await engine.generate(prompt(5, 1), greedy(3))).output_ids) == 3
     assert (await engine.health())["errors"] == 1
+
+
+async def test_counters_tell_decode_steps_from_prefill_and_name_the_engine(tiny):
+    """`counters()`, what a run's summary reads of an engine: two requests of 6 new tokens each (no
+    EOS) give 12 generated tokens, of which each request's first comes from its prefill and the other
+    5 from decode steps (10 decode tokens, at most two a step); the 2 x 20 prompt tokens are computed
+    in prefill; the engine's start (`started_at`) stays the same across readings and its uptime grows."""
+    _, model, tokenizer = tiny
+    eng = TorchEngine(model, tokenizer, max_batch_size=8, eos_token_ids=[])
+    try:
+        first = eng.counters()
+        await asyncio.gather(*(eng.generate(prompt(20, seed=i), greedy(6)) for i in range(2)))
+        after = eng.counters()
+    finally:
+        await eng.close()
+    grew = {k: after[k] - first[k] for k in after}
+    assert grew["generated_tokens"] == 12 and grew["decode_tokens"] == 10
+    assert 5 <= grew["steps"] <= 10
+    assert grew["prefill_tokens"] + grew["prefix_hit_tokens"] == 40
+    assert grew["decode_s"] > 0 and grew["prefill_s"] > 0
+    assert grew["started_at"] == 0 and grew["uptime_s"] > 0

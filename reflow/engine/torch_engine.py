@@ -120,6 +120,7 @@ class TorchEngine:
         )
         self._newest = weight_version  # the newest version given to update_weights (applied or queued)
         self._started = time.time()
+        self._started_monotonic = time.monotonic()
         self._thread = threading.Thread(target=self._decoder.run, name="reflow-torch-engine", daemon=True)
         self._thread.start()
 
@@ -251,6 +252,17 @@ class TorchEngine:
             "uptime_s": time.time() - self._started,
             "last_error": self._decoder.last_error,
             **self._decoder.load(),
+        }
+
+    def counters(self) -> dict[str, float]:
+        """The decode loop's cumulative work counters (`health()`'s: steps, tokens, prefill and decode
+        seconds, ...), with `uptime_s` (monotonic seconds since it started) and `started_at` (the
+        wall-clock second it started: which engine the counters belong to, across readings)."""
+        counters = {k: float(v) for k, v in self._decoder.stats.items()}
+        return {
+            **counters,
+            "uptime_s": time.monotonic() - self._started_monotonic,
+            "started_at": self._started,
         }
 
     async def close(self) -> None:

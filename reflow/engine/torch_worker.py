@@ -95,6 +95,7 @@ class DecodeLoop:
             "steps": 0,
             "prefills": 0,
             "generated_tokens": 0,
+            "decode_tokens": 0,  # tokens of decode steps (a prefill's first tokens not counted)
             "prefill_tokens": 0,  # prompt tokens computed (reused prefixes not counted)
             "prefix_hits": 0,
             "prefix_hit_tokens": 0,  # prompt tokens whose keys/values were copied, not computed
@@ -280,6 +281,7 @@ class DecodeLoop:
             self._params = self._build_params([self._running[r] for r in rows])
         tokens, logprobs = sample(logits, self._params)
         self.stats["steps"] += 1
+        self.stats["decode_tokens"] += len(rows)
         self.stats["decode_s"] += time.perf_counter() - started
         for row, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
             self._accept(self._running[row], tok, lp)

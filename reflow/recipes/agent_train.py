@@ -19,6 +19,7 @@ import ray
 from rich.console import Console
 
 from reflow.config import RunConfig, dump_config
+from reflow.metrics import engine_use
 from reflow.recipes.checkpoints import (
     after_step,
     checkpoint,
@@ -90,6 +91,10 @@ def _train(config: RunConfig, log: RunLog, *, resume: bool, console: Console) ->
             evaluate(cluster, config, log, state, clock)
             if config.eval.pass_at_start:
                 measure_headroom(cluster, config, log, state, "start")
+        # how the rollout engines spend the loop (since this process started it: after a resume, since
+        # the resume), the loop's own evaluations left out
+        engines_at_start = cluster.engine_counters()
+        evaluating_at_start = dict(cluster.engines_evaluating)
         if config.mode == "sync":
             carried = config.tail.active("sync")
             pending = leftover_groups(cluster, state, carried) if resume else []
@@ -99,6 +104,8 @@ def _train(config: RunConfig, log: RunLog, *, resume: bool, console: Console) ->
 
             decoupled_loop(cluster, config, log, state, clock)
         clock.tick()
+        evaluating = {k: v - evaluating_at_start[k] for k, v in cluster.engines_evaluating.items()}
+        engines = engine_use(engines_at_start, cluster.engine_counters(), evaluating)
         points = state.history + state.snapshots
         if not points or points[-1]["step"] != state.step:  # always end on an evaluation
             evaluate(cluster, config, log, state, clock)
@@ -109,7 +116,7 @@ def _train(config: RunConfig, log: RunLog, *, resume: bool, console: Console) ->
         reuse = ray.get(cluster.replay.reuse_histogram.remote())
     finally:
         cluster.shutdown()
-    summary = run_summary(config, state, reuse)
+    summary = run_summary(config, state, reuse, engines)
     log.write("summary", summary)
     return summary
 

@@ -39,6 +39,12 @@ COUNTS = (
     "lent_handed_over",
 )
 """Summary counters of the elastic pool and the tail scheduler (0 in runs that predate them)."""
+ENGINE_USE = {
+    "engine decode share": "engine_decode_share",
+    "engine prefill share": "engine_prefill_share",
+    "engine tokens/decode step": "engine_tokens_per_decode_step",
+}
+"""How the rollout engines spent the loop (`reflow.metrics.engine_use`; "-" for runs without it)."""
 RATES = {
     "new tok/s": "new_trained_tokens_per_s",
     "trained tok/s (with replays)": "trained_tokens_per_s",
@@ -116,13 +122,14 @@ def _caption(results: list[dict[str, Any]], targets: dict[str, float], budget_mi
 
 def table(results: list[dict[str, Any]], targets: dict[str, float] | None, budget_minutes: float) -> str:
     """The Markdown report: per row, the seeds, time to each target (and how many seeds reached it),
-    the final held-out success, new and trained tokens/s, then throughput, idle ratios,
+    the final held-out success, new and trained tokens/s, then throughput and the rollout engines'
+    use of their time, idle ratios,
     staleness/reuse/IS columns (the M2PO trust region's dropped share of tokens among them) and the
     elastic/tail counters; then `paired_table` against sync and against async."""
     targets = targets or {}
     head = [c for label in targets for c in (f"time to {label} (s)", f"reached {label}")]
     tail = [
-        "final held-out", "final greedy", *RATES, "gen tok/s", "held-out at budget (curve)", "start", "rollout idle",
+        "final held-out", "final greedy", *RATES, "gen tok/s", *ENGINE_USE, "held-out at budget (curve)", "start", "rollout idle",
         "trainer idle", "train slot idle", "staleness mean", "reuse (mean uses/group)", "IS w mean", "IS w max",
         "masked frac", "m2 masked frac", "steps", "role changes", "role change s", "over-provisioned", "carried over",
         "migrations", "lent s", "lent stored s", "lent yields", "lent handed over",
@@ -145,6 +152,7 @@ def table(results: list[dict[str, Any]], targets: dict[str, float] | None, budge
             [_final_greedy(r) for r in runs],
             *([r["summary"].get(key) for r in runs] for key in RATES.values()),
             [r["summary"]["generated_tokens_per_s"] for r in runs],
+            *([r["summary"].get(key) for r in runs] for key in ENGINE_USE.values()),
             [r["evals"][-1]["success_rate"] for r in runs],
             [r["evals"][0]["success_rate"] for r in runs],
             [r["summary"]["rollout_idle_ratio"] for r in runs],

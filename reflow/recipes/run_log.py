@@ -157,6 +157,7 @@ LABELS = {
     "new_trained_tokens_per_s": "new_trained_tokens_per_s (first use of a group)",
     "trained_tokens_per_s": "trained_tokens_per_s (with replays)",
     "env_time_share": "env_time_share (of episode time: tools, sandboxes, grading)",
+    "engine_tokens_per_decode_step": "engine_tokens_per_decode_step (its mean decode batch)",
 }
 """Row labels that say which tokens a rate counts."""
 
@@ -296,8 +297,13 @@ def _train_slot_idle(config: RunConfig, state: RunState, wall: float) -> float:
 
 
 def run_summary(
-    config: RunConfig, state: RunState, reuse_hist: dict[int, int] | None = None
+    config: RunConfig,
+    state: RunState,
+    reuse_hist: dict[int, int] | None = None,
+    engines: dict[str, float] | None = None,
 ) -> dict[str, Any]:
+    """The run's summary record. `engines`: how the rollout engines spent the training loop
+    (`reflow.metrics.engine_use`; absent for engines that keep no counters)."""
     evals = state.history
     first, last = (evals[0], evals[-1]) if evals else ({}, {})
     wall = max(state.wall_s, 1e-9)
@@ -330,6 +336,7 @@ def run_summary(
         "lent_yields": state.lent_yields,
         "lent_handed_over": state.lent_handed_over,
         "groups_quarantined": state.groups_quarantined,
+        **(engines or {}),
         **headroom_summary(state.headroom),
     }
 

@@ -28,15 +28,19 @@ from typing import Any
 import ray
 
 from reflow.config import RunConfig
+from reflow.metrics import ENGINE_COUNTERS
 from reflow.runtime.replay_service import REPLAY_THREADS, ReplayService, cycle_config
 from reflow.runtime.role_change import RoleChange, Slot, move_slot
 from reflow.runtime.trainer_rank import TrainerRank
+from reflow.runtime.worker_tail import engine_name
 from reflow.runtime.workers import GroupReport, RolloutWorker
 from reflow.sandbox.reaper import mark_run, reap_run
 
 ROLE_ACTORS: dict[str, type] = {"rollout": RolloutWorker, "train": TrainerRank}
 PLACEMENT_TIMEOUT_S = 120.0
 """How long the cluster waits for its placement groups before it says which role cannot be placed."""
+COUNTERS_TIMEOUT_S = 30.0
+"""How long the cluster waits for a rollout worker's engine counters (a metric) before it goes without."""
 NODE_RESOURCE_SHARE = 0.001
 """Of a role's node resource, what one bundle reserves: enough to pin it, small enough for any count."""
 
@@ -124,6 +128,12 @@ class Cluster:
             slot.actor = self.place(slot, slot.role, rank=len(self.trainers), world_size=n_train)
         master = ray.get(self.trainers[0].master_address.remote()) if n_train > 1 else None
         ray.get([t.setup.remote(master) for t in self.trainers])
+        self.engines_gone: dict[str, dict[str, float]] = {}
+        """The counters of rollout engines that moved to training, as read when they left (their work
+        stays in the run's engine figures, `engine_counters`)."""
+        self.engines_evaluating = dict.fromkeys(ENGINE_COUNTERS, 0.0)
+        """What held-out evaluations (`evaluate`) took of the rollout engines' counters, summed: the
+        run's engine figures leave it out (`reflow.metrics.engine_use`'s `left_out`)."""
         self.lent: list[Any] = []
         """With `elastic.lend`: a rollout engine beside each trainer rank, in rank order, that the
         decoupled loop gives groups while the trainer waits (`reflow.runtime.lending`)."""
@@ -206,7 +216,10 @@ class Cluster:
         (object ref of the `generate` call -> the group ids registered for it), waited for before its
         worker stops (at most `drain_timeout_s`; the rest are abandoned and named in the result).
         See `reflow.runtime.role_change`."""
-        return move_slot(self, self.pick_slot(slot_or_role, to_role), to_role, in_flight, drain_timeout_s)
+        slot = self.pick_slot(slot_or_role, to_role)
+        if slot.role == "rollout":  # its engine's work so far stays in the run's engine figures
+            self.engines_gone.update(self._read_counters([slot]))
+        return move_slot(self, slot, to_role, in_flight, drain_timeout_s)
 
     def pick_slot(self, slot_or_role: int | str, to_role: str) -> Slot:
         if to_role not in ROLE_ACTORS:
@@ -266,8 +279,38 @@ class Cluster:
         return ray.get([t.load_checkpoint.remote(path) for t in self.trainers])[0]
 
     def evaluate(self, episodes: int, seed: int, worker: int = 0) -> dict[str, Any]:
-        """Held-out evaluation on rollout worker `worker` (its engine's current weights)."""
-        return ray.get(self.rollout[worker].evaluate.remote(episodes, seed))
+        """Held-out evaluation on rollout worker `worker` (its engine's current weights); what it took
+        of the engine's counters is added to `engines_evaluating`."""
+        slot = self.rollout_slots[worker]
+        before = self._read_counters([slot])
+        result = ray.get(slot.actor.evaluate.remote(episodes, seed))
+        after = self._read_counters([slot])
+        for key, end in after.items():  # the same engine before and after (a key names one actor)
+            for k in ENGINE_COUNTERS:
+                self.engines_evaluating[k] += end[k] - before.get(key, end)[k]
+        return result
+
+    def engine_counters(self) -> dict[str, dict[str, float]]:
+        """The rollout engines' counters (`RolloutWorker.engine_counters`) now, and those of engines that
+        moved to training as they left (`engines_gone`), one key per engine actor: its slot's name and
+        its start (`w0@<time>`; a slot that moves back gets a new engine, and a new key). Not the lent
+        engines (their figures are the run's lent_* ones). For `reflow.metrics.engine_use`."""
+        return {**self.engines_gone, **self._read_counters(self.rollout_slots)}
+
+    def _read_counters(self, slots: list[Slot]) -> dict[str, dict[str, float]]:
+        """`engine_counters` of `slots`' rollout workers; a worker that does not answer (dead, or
+        stuck past `COUNTERS_TIMEOUT_S`) and an engine without counters give none: a metric never
+        stops a run."""
+        refs = [(s, s.actor.engine_counters.remote()) for s in slots]
+        out = {}
+        for slot, ref in refs:
+            try:
+                counters = ray.get(ref, timeout=COUNTERS_TIMEOUT_S)
+            except (ray.exceptions.RayError, TimeoutError):
+                continue
+            if counters:
+                out[f"{engine_name(slot.index)}@{counters['started_at']:.6f}"] = counters
+        return out
 
     def weight_versions(self) -> list[int]:
         """The weight version each rollout worker's engine has, in `rollout` order."""

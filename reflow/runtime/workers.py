@@ -20,6 +20,7 @@ from reflow.config import RunConfig
 from reflow.engine import GenerateResult, SamplingParams
 from reflow.env import make
 from reflow.env.registration import load_env_plugin
+from reflow.metrics import ENGINE_COUNTERS
 from reflow.records import EpisodeRecord
 from reflow.rollout.episode import EpisodeRunner, RolloutConfig, run_group
 from reflow.runtime.worker_tail import WorkerTail, engine_name
@@ -322,6 +323,16 @@ class RolloutWorker:
 
     async def weight_version(self) -> int:
         return self.engine.weight_version
+
+    async def engine_counters(self) -> dict[str, float]:
+        """The engine's cumulative work counters (`ENGINE_COUNTERS` and `started_at`, TorchEngine's
+        `counters()`), {} for an engine that keeps none (SGLang's): the run's summary reads how its
+        time went from them (`reflow.metrics.engine_use`)."""
+        read = getattr(self.engine, "counters", None)
+        counters = read() if read is not None else {}
+        if not all(k in counters for k in (*ENGINE_COUNTERS, "started_at")):
+            return {}
+        return {k: counters[k] for k in (*ENGINE_COUNTERS, "started_at")}
 
     async def close(self) -> None:
         await self.engine.close()
