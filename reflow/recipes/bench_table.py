@@ -123,9 +123,9 @@ def _caption(results: list[dict[str, Any]], targets: dict[str, float], budget_mi
 def table(results: list[dict[str, Any]], targets: dict[str, float] | None, budget_minutes: float) -> str:
     """The Markdown report: per row, the seeds, time to each target (and how many seeds reached it),
     the final held-out success, new and trained tokens/s, then throughput and the rollout engines'
-    use of their time, idle ratios,
-    staleness/reuse/IS columns (the M2PO trust region's dropped share of tokens among them) and the
-    elastic/tail counters; then `paired_table` against sync and against async."""
+    use of their time, idle ratios, staleness/reuse/IS columns (the M2PO trust region's dropped share
+    of tokens among them) and the elastic/tail counters; then `paired_table` against sync and against
+    async."""
     targets = targets or {}
     head = [c for label in targets for c in (f"time to {label} (s)", f"reached {label}")]
     tail = [

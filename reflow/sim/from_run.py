@@ -6,8 +6,9 @@ measured tokens/s, its sync seconds, its stored groups resampled (shapes, turns,
 spread), and its own policy settings (mode, eta, the replay cycle, the elastic and tail sections, lending among
 them, the runtime's group limit per rollout worker, the sync loop's resample rounds) — and the
 comparison: the run's steps/s, trained tokens/s and idle ratios against the simulated ones, averaged
-over a few simulator seeds (a lending run's lent busy seconds, yields, episodes handed over and train slot idle share shown
-beside them). Rates are compared relatively; idle ratios (shares of time) by their difference.
+over a few simulator seeds (a lending run's lent busy seconds, yields, episodes handed over and train
+slot idle share shown beside them). Rates are compared relatively; idle ratios (shares of time) by
+their difference.
 """
 
 from __future__ import annotations
