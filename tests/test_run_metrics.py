@@ -39,6 +39,25 @@ def test_env_time_share_is_the_envs_part_of_the_episodes_time_per_step_and_over_
     assert run_summary(config, state)["env_time_share"] == pytest.approx(9 / 20)
 
 
+def test_malformed_call_share_is_the_share_of_tool_calls_that_did_not_parse_per_step_and_over_the_run():
+    """Step 1's groups made 10 tool calls, 1 malformed; step 2's 10, 9 malformed (a policy losing its
+    call format); over the run 10 of 20."""
+    from reflow.runtime.workers import GroupReport
+
+    def report(calls: int, malformed: int) -> GroupReport:
+        return GroupReport("g", 0, [0.0], [False], ["ok"], [1], 0, False, 1.0, tool_calls=calls,
+                           malformed_calls=malformed)  # fmt: skip
+
+    state, metrics = RunState(), {"trained_tokens": 0.0, "new_trained_tokens": 0.0}
+    first = step_record(state, 1, [report(6, 1), report(4, 0)], 0, metrics, [], {})
+    second = step_record(state, 1, [report(10, 9)], 0, metrics, [], {})
+    assert first["malformed_call_share"] == pytest.approx(0.1)
+    assert second["malformed_call_share"] == pytest.approx(0.9)
+    assert step_record(state, 1, [report(0, 0)], 0, metrics, [], {})["malformed_call_share"] == 0.0
+    config = load_config(None, ["env.id=reflow/Calc-v0", "mode=reflow"])
+    assert run_summary(config, state)["malformed_call_share"] == pytest.approx(0.5)
+
+
 def test_new_trained_tokens_per_s_counts_a_group_once_and_trained_tokens_per_s_every_replay():
     """Step 1 trains groups a and b for the first time (100 + 60 tokens); step 2 replays a and trains
     c for the first time (40 tokens): 300 tokens trained, 200 of them new work."""

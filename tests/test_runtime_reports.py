@@ -5,7 +5,11 @@ from reflow.runtime.workers import report_group
 
 
 def _episode(
-    reward: float, status: str, latencies_s: list[float], timings: dict[str, float] | None = None
+    reward: float,
+    status: str,
+    latencies_s: list[float],
+    timings: dict[str, float] | None = None,
+    calls: list[str | None] = (),
 ) -> EpisodeRecord:
     turn = TurnRecord(
         turn_index=0,
@@ -19,6 +23,7 @@ def _episode(
         token_versions=[2] * 3,
         sampling_params={},
         tool_results=[{"call_id": "c", "name": "calc", "content": "4", "latency_s": s} for s in latencies_s],
+        tool_calls=[{"id": "c", "name": "calc", "arguments": {}, "parse_error": error} for error in calls],
     )
     return EpisodeRecord(
         episode_id=f"e{reward}{status}",
@@ -50,6 +55,14 @@ def test_report_carries_each_episodes_time_and_its_time_in_the_env():
     episodes.append(_episode(0.0, "ok", [], {"total_s": 2.0, "env_s": 1.5}))
     report = report_group([*episodes, _episode(0.0, "ok", [])], 0.5)  # an episode without timings: 0
     assert report.episode_seconds == [4.0, 2.0, 0.0] and report.env_seconds == [1.0, 1.5, 0.0]
+
+
+def test_report_counts_the_tool_calls_that_did_not_parse():
+    """The parser keeps an unusable call with `parse_error` set: the report counts calls and those."""
+    episodes = [_episode(1.0, "ok", [], calls=[None, "tool call is not valid JSON"]), _episode(0.0, "ok", [])]
+    episodes.append(_episode(0.0, "ok", [], calls=["no closing </tool_call> tag", None, None]))
+    report = report_group(episodes, 0.5)
+    assert (report.tool_calls, report.malformed_calls) == (5, 2)
 
 
 async def test_held_out_evaluation_is_greedy_by_default_or_a_mean_over_sampled_episodes(

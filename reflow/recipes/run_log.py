@@ -35,6 +35,7 @@ STEP_COLUMNS = (
     ("success", "success_rate", "{:.2f}"),
     ("held-out", "heldout_success", "{:.2f}"),
     ("zero-spread", "zero_spread_share", "{:.2f}"),
+    ("bad calls", "malformed_call_share", "{:.2f}"),
     ("new tok/s", "new_trained_tokens_per_s", "{:.0f}"),
     ("gen tok/s", "generated_tokens_per_s", "{:.0f}"),
     ("rollout s", "rollout_s", "{:.1f}"),
@@ -248,6 +249,9 @@ def step_record(
     env_s = sum(x for r in reports for x in r.env_seconds)
     state.episode_s += episode_s
     state.env_s += env_s
+    calls, malformed = sum(r.tool_calls for r in reports), sum(r.malformed_calls for r in reports)
+    state.tool_calls += calls
+    state.malformed_calls += malformed
     state.trained_tokens += train_metrics["trained_tokens"]
     state.new_trained_tokens += train_metrics["new_trained_tokens"]
     for s in staleness:
@@ -282,6 +286,7 @@ def step_record(
         "tool_latency_p50_ms": _quantile(latencies, 0.5),
         "tool_latency_p99_ms": _quantile(latencies, 0.99),
         "env_time_share": env_s / episode_s if episode_s > 0 else 0.0,
+        "malformed_call_share": malformed / calls if calls else 0.0,
         **times,
         **{f"status_{k}": v for k, v in statuses.items()},
         **{k: v for k, v in train_metrics.items() if k != "train_s"},
@@ -324,6 +329,7 @@ def run_summary(
         "trainer_idle_ratio": idle_ratio(state.trainer_busy_s, wall),
         "train_slot_idle_ratio": _train_slot_idle(config, state, wall),
         "env_time_share": state.env_s / state.episode_s if state.episode_s > 0 else 0.0,
+        "malformed_call_share": state.malformed_calls / state.tool_calls if state.tool_calls else 0.0,
         "staleness_hist": dict(sorted(state.staleness_hist.items(), key=lambda kv: int(kv[0]))),
         "reuse_hist": reuse_hist or {},
         "role_changes": state.role_changes,

@@ -45,6 +45,9 @@ class RunState:
     """Summed over the episodes of every group the loop received: their durations."""
     env_s: float = 0.0
     """The part of `episode_s` spent in the envs (tool calls, sandboxes, grading)."""
+    tool_calls: int = 0
+    malformed_calls: int = 0
+    """Of `tool_calls` (those of every group the loop received), the ones whose text did not parse."""
     steps_no_signal: int = 0
     """Steps not taken: no group with reward spread, or no sampled token in the batch (no gradient);
     weights and version stayed."""

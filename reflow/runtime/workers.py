@@ -46,6 +46,10 @@ class GroupReport:
     estimate)."""
     env_seconds: list[float] = field(default_factory=list)
     """Each episode's time in its env (tool calls, sandboxes, grading), the rest being generation."""
+    tool_calls: int = 0
+    malformed_calls: int = 0
+    """Tool calls whose text did not parse (the parser's `parse_error`): a rising share is the first
+    sign of a policy losing its call format."""
 
 
 def torch_threads(config: RunConfig) -> int:
@@ -92,6 +96,7 @@ def report_group(records: list[EpisodeRecord], seconds: float) -> GroupReport:
         for res in turn.tool_results
         if isinstance(res, dict) and "latency_s" in res
     ]
+    calls = [call for rec in records for turn in rec.turns for call in turn.tool_calls]
     return GroupReport(
         group_id=records[0].group_id,
         policy_version=min(r.oldest_version for r in records),
@@ -105,6 +110,8 @@ def report_group(records: list[EpisodeRecord], seconds: float) -> GroupReport:
         tool_latencies_ms=latencies,
         episode_seconds=[active_seconds(r) for r in records],
         env_seconds=[float(r.timings.get("env_s", 0.0)) for r in records],
+        tool_calls=len(calls),
+        malformed_calls=sum(1 for c in calls if isinstance(c, dict) and c.get("parse_error")),
     )
 
 
