@@ -41,7 +41,7 @@ from reflow.replay import ReplayStore
 from reflow.replay.schema import decode_record
 from reflow.train.batch import rows_from_groups
 from reflow.train.trainer import PolicyTrainer
-from reflow.train.trainer_state import load_checkpoint
+from reflow.train.trainer_state import load_checkpoint, read_state
 
 
 def _checkpoint(run_dir: Path, step: int) -> Path:
@@ -81,8 +81,9 @@ def is_malformed(text: str, finish_reason: str) -> bool:
     return any(call.parse_error for call in parse_assistant(text, finish_reason=finish_reason).tool_calls)
 
 
-def is_call(text: str, finish_reason: str) -> bool:
-    return bool(parse_assistant(text, finish_reason=finish_reason).tool_calls)
+def is_well_formed_call(text: str, finish_reason: str) -> bool:
+    calls = parse_assistant(text, finish_reason=finish_reason).tool_calls
+    return bool(calls) and not any(call.parse_error for call in calls)
 
 
 @torch.no_grad()
@@ -156,12 +157,12 @@ def retrain(
     the checkpoint itself). The run's own settings come first (variant "as run")."""
     run_dir = Path(run_dir)
     config = load_config(run_dir / "config.yaml")
-    version = json.loads((_checkpoint(run_dir, from_step) / "state.json").read_text())["version"]
+    version = read_state(_checkpoint(run_dir, from_step))["version"]
     with closing(sqlite3.connect(f"file:{run_dir / 'replay.sqlite'}?mode=ro", uri=True)) as db:
         prompt_ids = list({tuple(p): p for p, *_ in first_turns(db, version, version + 3)}.values())[:prompts]
         calls = [
             (p, c) for p, c, text, finish in first_turns(db, 0, version)
-            if is_call(text, finish) and not is_malformed(text, finish)
+            if is_well_formed_call(text, finish)
         ][:64]  # fmt: skip
     sampling = {
         "temperature": config.rollout.temperature or 1.0,

@@ -1,3 +1,6 @@
+import os
+from pathlib import Path
+
 import pytest
 from fake_envs import register_test_envs
 
@@ -7,6 +10,18 @@ import reflow  # noqa: F401  (registers the built-in envs)
 @pytest.fixture(scope="session", autouse=True)
 def _test_envs() -> None:
     register_test_envs()
+
+
+@pytest.fixture
+def ray_env(monkeypatch):
+    """Ray workers import the test envs: they inherit PYTHONPATH from the driver."""
+    import ray
+
+    tests = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    yield
+    ray.shutdown()
 
 
 # ---- Sandboxes: tests marked `docker` need an engine and the sandbox image, tests marked
@@ -19,8 +34,6 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    import os
-
     from reflow.sandbox.factory import backend_problem
 
     required = os.environ.get("REFLOW_REQUIRE_DOCKER") == "1"

@@ -38,17 +38,6 @@ BASE = [
 ]
 
 
-@pytest.fixture
-def ray_env(monkeypatch):
-    """Ray workers import the test envs: they inherit PYTHONPATH from the driver."""
-    import ray
-
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    yield
-    ray.shutdown()
-
-
 def _steps(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():

@@ -3,9 +3,7 @@ turning an engine's weights back, the re-formed FSDP2 group trains like a freshl
 change's cost is measured per part, and roles placed on different nodes of a multi-node cluster
 exchange weights through Ray's object store. The observation arithmetic is tested without Ray."""
 
-import os
 import uuid
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +12,6 @@ from run_helpers import PARITY_ENV, SMALL_ROLLOUT, TINY_MODEL
 from reflow.config import load_config
 from reflow.policy.elastic import ElasticConfig, ElasticPolicy, Interval, RoleChangeCost, Totals, observe
 from reflow.runtime.actuator import worker_to_drain
-
-TESTS = Path(__file__).parent
 
 # A tiny model and the parity env (see tests/test_agent_train.py): seconds per group.
 BASE = [
@@ -167,17 +163,6 @@ def test_placement_config_is_checked():
 
 
 # -- on Ray ------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def ray_env(monkeypatch):
-    """Ray workers import the test envs: they inherit PYTHONPATH from the driver."""
-    import ray
-
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    yield
-    ray.shutdown()
 
 
 def _model_path(config) -> str:

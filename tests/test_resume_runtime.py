@@ -1,15 +1,11 @@
 """A resumed run on Ray: the model its actors start from outlives checkpoint rotation (a role change and
 a weight push after the checkpoint it resumed from was rotated away)."""
 
-import os
-from pathlib import Path
-
 import pytest
 from run_helpers import PARITY_ENV, SMALL_ROLLOUT, TINY_MODEL
 
 from reflow.config import load_config
 
-TESTS = Path(__file__).parent
 pytestmark = pytest.mark.slow
 
 BASE = [
@@ -21,16 +17,6 @@ BASE = [
     "resources.threads_per_slot=1",
     "resources.slots=[rollout, train, train]",
 ]
-
-
-@pytest.fixture
-def ray_env(monkeypatch):
-    import ray
-
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    yield
-    ray.shutdown()
 
 
 def test_a_resumed_run_moves_a_slot_and_pushes_weights_after_its_checkpoint_is_rotated(tmp_path, ray_env):

@@ -1,32 +1,20 @@
 """benchmarks/retrain_steps.py: retraining a run's recorded steps from its checkpoint reproduces the run's
 weights (same groups, optimizer and RNG state), and a changed setting changes them."""
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from run_helpers import PARITY_ENV, SMALL_ROLLOUT, TINY_MODEL
 
 from reflow.config import load_config
 from reflow.models import load_model
-from tests.run_helpers import PARITY_ENV, SMALL_ROLLOUT, TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from retrain_steps import retrain, retrained  # noqa: E402
-
-
-@pytest.fixture
-def ray_env(monkeypatch):
-    import ray
-
-    tests = str(ROOT / "tests")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    yield
-    ray.shutdown()
 
 
 @pytest.mark.slow
