@@ -238,6 +238,8 @@ def test_ablation_rows_run_reflow_with_parts_off_and_show_role_changes_and_tail_
     results[-1]["summary"].update(
         engine_decode_share=0.58, engine_prefill_share=0.27, engine_tokens_per_decode_step=45.7
     )
+    results[1]["summary"]["malformed_call_share"] = 0.1
+    results[2]["summary"]["malformed_call_share"] = 0.3
     md = table(results, {"target": 0.2}, budget_minutes=1)
     header, cells = _rows(md, "| mode | seeds |")
     assert header[-9:] == [
@@ -247,7 +249,10 @@ def test_ablation_rows_run_reflow_with_parts_off_and_show_role_changes_and_tail_
     slot_idle = header.index("train slot idle")
     assert header[slot_idle - 1] == "trainer idle"
     assert list(cells) == ["sync", "reflow", "reflow-static", "reflow-no-tail", "reflow-lend"]  # table order
-    assert all(len(c) == len(header) == 33 for c in cells.values())  # mode, seeds, time and reached, 29 more
+    assert all(len(c) == len(header) == 34 for c in cells.values())  # mode, seeds, time and reached, 30 more
+    # the share of a run's tool calls that did not parse: a mean over seeds, "-" for runs without it
+    malformed = header.index("malformed calls")
+    assert (cells["reflow"][malformed], cells["sync"][malformed]) == ("0.2 ± 1.27", "-")
     # how the rollout engine spent its time: "-" for a run without the figures
     engine = header.index("engine decode share")
     assert header[engine - 1] == "gen tok/s"

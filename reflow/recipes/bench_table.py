@@ -124,14 +124,14 @@ def table(results: list[dict[str, Any]], targets: dict[str, float] | None, budge
     """The Markdown report: per row, the seeds, time to each target (and how many seeds reached it),
     the final held-out success, new and trained tokens/s, then throughput and the rollout engines'
     use of their time, idle ratios, staleness/reuse/IS columns (the M2PO trust region's dropped share
-    of tokens among them) and the elastic/tail counters; then `paired_table` against sync and against
+    of tokens among them), the share of the run's tool calls that did not parse and the elastic/tail counters; then `paired_table` against sync and against
     async."""
     targets = targets or {}
     head = [c for label in targets for c in (f"time to {label} (s)", f"reached {label}")]
     tail = [
         "final held-out", "final greedy", *RATES, "gen tok/s", *ENGINE_USE, "held-out at budget (curve)", "start", "rollout idle",
         "trainer idle", "train slot idle", "staleness mean", "reuse (mean uses/group)", "IS w mean", "IS w max",
-        "masked frac", "m2 masked frac", "steps", "role changes", "role change s", "over-provisioned", "carried over",
+        "masked frac", "m2 masked frac", "malformed calls", "steps", "role changes", "role change s", "over-provisioned", "carried over",
         "migrations", "lent s", "lent stored s", "lent yields", "lent handed over",
     ]  # fmt: skip
     columns = ["mode", "seeds", *head, *tail]
@@ -164,6 +164,7 @@ def table(results: list[dict[str, Any]], targets: dict[str, float] | None, budge
             [max((s.get("w_max", 0.0) for s in r["steps"]), default=None) for r in runs],
             [_step_mean(r["steps"], "masked_frac") for r in runs],
             [_step_mean(r["steps"], "m2_masked_frac") for r in runs],  # the M2PO trust region's drop
+            [r["summary"].get("malformed_call_share") for r in runs],  # of the run's tool calls
             [r["summary"]["steps"] for r in runs],
             *([r["summary"].get(key, 0) for r in runs] for key in COUNTS),
         ]
