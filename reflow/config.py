@@ -128,6 +128,14 @@ class EnvSection(_Section):
         description="a registered env id, e.g. reflow/Calc-v0, or openenv/<name> (an OpenEnv server's env)"
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="constructor kwargs for the env")
+    malformed_call_penalty: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="reward each tool call whose text did not parse costs in training rollouts (0: none; "
+        "the env's `MalformedCallPenalty` wrapper): a group of failures then ranks loops on broken calls "
+        "below failures of well-formed ones",
+    )
 
     @model_validator(mode="after")
     def _registered(self) -> EnvSection:

@@ -248,3 +248,20 @@ def test_every_setting_has_a_description():
         return out
 
     assert missing(RunConfig, "") == []
+
+
+def test_a_malformed_call_penalty_wraps_the_training_rollouts_env():
+    from types import SimpleNamespace
+
+    from reflow.env.wrappers import MalformedCallPenalty
+    from reflow.runtime.workers import RolloutWorker
+
+    plain = load_config(None, ["env.id=reflow/Calc-v0"])
+    assert plain.env.malformed_call_penalty == 0.0
+    assert not isinstance(RolloutWorker._make_env(SimpleNamespace(config=plain)), MalformedCallPenalty)
+    config = load_config(None, ["env.id=reflow/Calc-v0", "env.malformed_call_penalty=0.1"])
+    env = RolloutWorker._make_env(SimpleNamespace(config=config))
+    assert isinstance(env, MalformedCallPenalty) and env.penalty == 0.1
+    for bad in ("-0.1", ".nan", ".inf"):
+        with pytest.raises(ValueError, match="malformed_call_penalty"):
+            load_config(None, ["env.id=reflow/Calc-v0", f"env.malformed_call_penalty={bad}"])

@@ -20,6 +20,7 @@ from reflow.config import RunConfig
 from reflow.engine import GenerateResult, SamplingParams
 from reflow.env import make
 from reflow.env.registration import load_env_plugin
+from reflow.env.wrappers import MalformedCallPenalty
 from reflow.metrics import ENGINE_COUNTERS
 from reflow.records import EpisodeRecord
 from reflow.rollout.episode import EpisodeRunner, RolloutConfig, run_group
@@ -148,7 +149,9 @@ class RolloutWorker:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def _make_env(self) -> Any:
-        return make(self.config.env.id, **self.config.env.kwargs)
+        env = make(self.config.env.id, **self.config.env.kwargs)
+        penalty = self.config.env.malformed_call_penalty
+        return MalformedCallPenalty(env, penalty) if penalty else env
 
     def _load_plugins(self) -> None:
         for spec in self.config.env.plugins:
