@@ -195,6 +195,18 @@ def retrain(
     return records
 
 
+def unrecorded(override: str) -> str | None:
+    """Why an override cannot change a retraining (None: it can): the batches are the run's records,
+    their rewards and advantages fixed when the run stored them, so only the trainer's settings apply."""
+    key = override.partition("=")[0].strip()
+    if not key.startswith("train.") or key == "train.advantage_scale":
+        return (
+            "only trainer settings (train.*, not train.advantage_scale) change a retraining: the run's "
+            "batches, their rewards and advantages were fixed when it stored them"
+        )
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir")
@@ -205,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--json", help="write the records here")
     args = parser.parse_args(argv)
+    for variant in args.variant:
+        for override in variant.split(","):
+            if (bad := unrecorded(override)) is not None:
+                parser.error(f"--variant {override}: {bad}")
     torch.set_num_threads(2)
     records = retrain(
         args.run_dir,

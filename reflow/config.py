@@ -132,9 +132,10 @@ class EnvSection(_Section):
         0.0,
         ge=0,
         allow_inf_nan=False,
-        description="reward each tool call whose text did not parse costs in training rollouts (0: none; "
-        "the env's `MalformedCallPenalty` wrapper): a group of failures then ranks loops on broken calls "
-        "below failures of well-formed ones",
+        description="reward each tool call the parser rejected (did not parse, unknown tool, arguments off "
+        "its schema) costs in training rollouts (0: none; the env's `MalformedCallPenalty` wrapper; "
+        "held-out evaluation never pays it): a group of failures then ranks loops on broken calls below "
+        "failures of well-formed ones",
     )
 
     @model_validator(mode="after")

@@ -186,22 +186,24 @@ def test_a_reflow_run_with_lending_trains_the_lent_engines_groups_and_loses_none
         by_group.setdefault(r.group_id, []).append(r)
     assert all(len(eps) == 4 for eps in by_group.values())
     assert all(r.status != "infra_error" for r in records)
-    # every hand-over at a step start is logged and counted, and its episodes went on and were stored
-    # as migrated (on the rollout engine's weights: per-token versions, none older than the episode's
-    # start); only a hand-over near the run's end may be cancelled with its group (the run does not
-    # wait for groups in flight), so those of the steps before the last two must all be there. Whether
-    # a yield finds a lent episode in flight at all, and whether the rollout engine has room for it,
-    # is timing (a run may see neither); pausing and handing over are shown deterministically by
-    # test_a_lent_worker_stops_decoding_... and test_a_lent_worker_hands_its_episodes_...
-    lent_records = [r for r in records if r.group_id in lent_groups]
+    # every hand-over at a step start is logged and counted, with the groups it moved episodes of; the
+    # episodes went on there and were stored as migrated (a group is stored once all its episodes end,
+    # and the run does not wait for groups in flight at its end, so the groups stored are checked).
+    # Whether a yield finds a lent episode in flight, and whether the rollout engine has room for it,
+    # is timing (a run may see neither): test_a_lent_worker_stops_decoding_... and
+    # test_a_lent_worker_hands_its_episodes_... show pausing and handing over deterministically
     handed = [r for r in rows if r["kind"] == "elastic" and r["what"] == "lent_hand_over"]
     assert summary["lent_handed_over"] == sum(e["episodes"] for e in handed)
-    migrated = [r for r in lent_records if r.timings.get("migrations", 0) > 0]
-    early = sum(e["episodes"] for e in handed if e["step"] < summary["steps"] - 2)
-    assert early <= len(migrated) <= summary["lent_handed_over"], (early, len(migrated), handed)
-    for r in migrated:
-        versions = [v for t in r.turns for v in t.token_versions]
-        assert versions and min(versions) >= r.policy_version_start, (r.policy_version_start, versions)
+    assert all(sum(e["groups"].values()) == e["episodes"] for e in handed)
+    moved: dict[str, int] = {}
+    for e in handed:
+        for gid, n in e["groups"].items():
+            moved[gid] = moved.get(gid, 0) + n
+    assert all(gid in lent_groups for gid in moved if gid in by_group)  # only lent groups are handed over
+    for gid, n in moved.items():  # (an episode moves twice only after a fallback home: a role change)
+        if gid in by_group and not summary["role_changes"]:
+            migrated = sum(1 for r in by_group[gid] if r.timings.get("migrations", 0) > 0)
+            assert migrated >= n, (gid, n, migrated)
     # a hand-over falls back home only when its target left (a role change), never by a failure here
     outcomes = {r["outcome"] for r in rows if r.get("what") == "lent_migration_measured"}
     assert outcomes <= {"ok", "ended", "superseded"} or summary["role_changes"] > 0, outcomes

@@ -44,3 +44,17 @@ def test_retraining_the_recorded_steps_reproduces_the_runs_weights(tmp_path, ray
         ("as run", 3), ("as run", 4), ("train.lr=1e-3", 3), ("train.lr=1e-3", 4)
     ]  # fmt: skip
     assert "run_malformed" in records[1] and all(0 <= r["malformed"] <= 1 for r in records)
+
+
+def test_a_variant_of_a_setting_the_records_fixed_is_refused_in_one_line(capsys):
+    from retrain_steps import main
+
+    for variant in (
+        "env.malformed_call_penalty=0.1",
+        "train.advantage_scale=none",
+        "train.lr=1,replay.eta=2",
+    ):
+        with pytest.raises(SystemExit) as stop:
+            main(["some/run", "--from-step", "1", "--to-step", "2", "--variant", variant])
+        assert stop.value.code == 2
+        assert "fixed when it stored them" in capsys.readouterr().err

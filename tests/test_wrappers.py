@@ -112,28 +112,26 @@ async def test_wrappers_forward_env_methods():
     assert env.demo(task, obs.messages, random.Random(0)).startswith("<tool_call>")
 
 
-async def test_a_malformed_call_costs_the_penalty_and_the_final_step_shows_the_total():
+async def test_a_malformed_call_costs_its_step_the_penalty():
     from reflow.env import format_hermes_call, parse_assistant
     from reflow.env.wrappers import MalformedCallPenalty
 
     task = {"id": "t", "question": "q", "answer": 7, "start": 5, "steps": [["+", 2]]}
     env = MalformedCallPenalty(reflow.make("reflow/Calc-v0"), 0.25)
     await env.reset(task=task)
-    broken = parse_assistant('<tool_call>{"name": "calculator", "arguments": "5 + 2"}}</tool_call>')
+    bad_call = '<tool_call>{"name": "calculator", "arguments": "5 + 2"}}</tool_call>'
+    broken = parse_assistant(bad_call)
     assert broken.tool_calls and broken.tool_calls[0].parse_error  # the parser rejects it
-    rewards = [(await env.step(broken)).reward]
     well_formed = parse_assistant(format_hermes_call("calculator", {"expression": "5 + 2"}))
-    rewards.append((await env.step(well_formed)).reward)
-    rewards.append((await env.step(broken)).reward)
+    rewards = [(await env.step(turn)).reward for turn in (broken, well_formed, broken)]
     final = await env.step(parse_assistant("\\boxed{7}"))
-    rewards.append(final.reward)
-    # each broken call's step costs 0.25; success and the answer's reward are the env's; the episode's
-    # reward (the steps' sum) is 1 less 2 x 0.25, which the final step's components show
-    assert rewards == [-0.25, 0.0, -0.25, 1.0] and final.info["success"]
-    assert final.info["reward_components"]["malformed_calls"] == -0.5
-    # a new episode starts from no penalty
+    # each broken call's step costs 0.25; success and the answer's reward are the env's own
+    assert rewards == [-0.25, 0.0, -0.25] and (final.reward, final.info["success"]) == (1.0, True)
+    assert "malformed_calls" not in final.info["reward_components"]
+    # two broken calls in one turn cost twice
     await env.reset(task=task)
-    final = await env.step(parse_assistant("\\boxed{7}"))
-    assert final.reward == 1.0 and "malformed_calls" not in final.info["reward_components"]
+    twice = parse_assistant(bad_call + bad_call)
+    assert len(twice.tool_calls) == 2
+    assert (await env.step(twice)).reward == -0.5
     with pytest.raises(ValueError, match="penalty"):
         MalformedCallPenalty(reflow.make("reflow/Calc-v0"), 0.0)

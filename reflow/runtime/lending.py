@@ -344,6 +344,7 @@ class LentEngines:
                 "there instead of pausing",
                 "engine": engine,
                 "episodes": moved,
+                "groups": dict(out["moved"]),  # group id -> its episodes moved
             })  # fmt: skip
         for m in out.get("migrations", []):  # hand-overs measured since its last report
             events.append({"what": "lent_migration_measured", "engine": engine, **m})

@@ -1,17 +1,19 @@
-"""MalformedCallPenalty: each tool call whose text did not parse costs `penalty` reward.
+"""MalformedCallPenalty: each tool call the parser rejected costs `penalty` reward.
 
-Without it a failed episode that loops on calls the parser rejects scores what a failure of well-formed
+Without it a failed episode that loops on calls the parser rejects (`ToolCall.parse_error`: text that
+does not parse, an unknown tool, arguments off the tool's schema) scores what a failure of well-formed
 calls scores, so a group of failures carries no signal against a broken call format, and the
-successes alone hold the format up. Each rejected call (`ToolCall.parse_error`) subtracts `penalty`
-from its step's reward; the final step's reward components show the episode's total as
-"malformed_calls". Success is unchanged.
+successes alone hold the format up. Each rejected call subtracts `penalty` from its step's reward
+(the turn's reward in the records shows it; the episode's reward is the steps' sum). Success is
+unchanged. With GRPO's std scaling a group whose only difference is this cost gets advantages of full
+size: the penalty's size sets the order of episodes, not the strength of the signal.
 """
 
 from __future__ import annotations
 
 import math
 
-from reflow.env.core import AssistantTurn, Env, Observation, StepResult, Task, Wrapper
+from reflow.env.core import AssistantTurn, Env, StepResult, Wrapper
 
 
 class MalformedCallPenalty(Wrapper):
@@ -20,17 +22,8 @@ class MalformedCallPenalty(Wrapper):
         if not (math.isfinite(penalty) and penalty > 0):
             raise ValueError(f"penalty must be a finite number > 0, got {penalty}")
         self.penalty = penalty
-        self.total = 0.0
-
-    async def reset(self, *, task: Task | None = None, seed: int | None = None) -> Observation:
-        self.total = 0.0
-        return await self.env.reset(task=task, seed=seed)
 
     async def step(self, turn: AssistantTurn) -> StepResult:
         result = await self.env.step(turn)
-        cost = self.penalty * sum(1 for call in turn.tool_calls if call.parse_error)
-        result.reward -= cost
-        self.total += cost
-        if result.done and self.total:
-            result.info.setdefault("reward_components", {})["malformed_calls"] = -self.total
+        result.reward -= self.penalty * sum(1 for call in turn.tool_calls if call.parse_error)
         return result
