@@ -217,16 +217,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--json", help="write the records here")
     args = parser.parse_args(argv)
-    for variant in args.variant:
-        for override in variant.split(","):
-            if (bad := unrecorded(override)) is not None:
-                parser.error(f"--variant {override}: {bad}")
+    variants = [v.split(",") for v in args.variant]
+    for override in (o for variant in variants for o in variant):
+        if (bad := unrecorded(override)) is not None:
+            parser.error(f"--variant {override}: {bad}")
     torch.set_num_threads(2)
     records = retrain(
         args.run_dir,
         args.from_step,
         args.to_step,
-        [v.split(",") for v in args.variant],
+        variants,
         prompts=args.prompts,
         samples=args.samples,
     )

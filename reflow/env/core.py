@@ -35,6 +35,11 @@ class AssistantTurn:
     finish_reason: str = "stop"
     raw_text: str | None = None
 
+    @property
+    def parse_errors(self) -> int:
+        """Its tool calls the parser (or the env's schema check) rejected: `ToolCall.parse_error` set."""
+        return sum(1 for call in self.tool_calls if call.parse_error)
+
     def to_message(self) -> Message:
         """The assistant message to append to the chat history."""
         msg: Message = {"role": "assistant", "content": self.content}

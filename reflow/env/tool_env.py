@@ -32,7 +32,7 @@ class ToolEnv(Env):
         results = await self.call_tools(turn)
         info = {
             "tool_results": [asdict(r) for r in results],
-            "parse_errors": sum(1 for c in turn.tool_calls if c.parse_error),
+            "parse_errors": turn.parse_errors,
         }
         return await self.after_tools(
             turn, results, StepResult([tool_message(r) for r in results], info=info)

@@ -124,8 +124,8 @@ def table(results: list[dict[str, Any]], targets: dict[str, float] | None, budge
     """The Markdown report: per row, the seeds, time to each target (and how many seeds reached it),
     the final held-out success, new and trained tokens/s, then throughput and the rollout engines'
     use of their time, idle ratios, staleness/reuse/IS columns (the M2PO trust region's dropped share
-    of tokens among them), the share of the run's tool calls that did not parse and the elastic/tail counters; then `paired_table` against sync and against
-    async."""
+    of tokens among them), the share of the run's tool calls that did not parse and the elastic/tail
+    counters; then `paired_table` against sync and against async."""
     targets = targets or {}
     head = [c for label in targets for c in (f"time to {label} (s)", f"reached {label}")]
     tail = [

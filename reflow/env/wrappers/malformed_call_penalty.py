@@ -25,5 +25,5 @@ class MalformedCallPenalty(Wrapper):
 
     async def step(self, turn: AssistantTurn) -> StepResult:
         result = await self.env.step(turn)
-        result.reward -= self.penalty * sum(1 for call in turn.tool_calls if call.parse_error)
+        result.reward -= self.penalty * turn.parse_errors  # counted after the env's schema check
         return result
